@@ -1,0 +1,189 @@
+"""Per-message Message Parameter scopes (d21 sections 9.3-9.18 and 9.20; wire reference 5.1).
+
+Theory of operation
+-------------------
+Message Parameters (d21 section 9.20) cannot be skipped, so every message that
+carries a parameter block admits a fixed set of types and anything else is a
+PROTOCOL_VIOLATION. This module is that table ("Per-message view" of
+MOQT-22-WIRE.md section 5.1), one ``frozenset`` of type codes per message:
+
+* the request messages: SUBSCRIBE (9.6), SUBSCRIBE_OK (9.7), PUBLISH (9.8),
+  PUBLISH_STATE_NOTIFY (9.10), FETCH (9.11), FETCH_OK (9.12, none defined),
+  TRACK_STATUS (9.13), PUBLISH_NAMESPACE / SUBSCRIBE_NAMESPACE (9.14, 9.15) and
+  SUBSCRIBE_TRACKS (9.18; receive and send scopes differ, Ambiguity A10);
+* REQUEST_OK (9.3) and REQUEST_UPDATE (9.5), whose scope depends on the request
+  they answer or update. A stateless codec cannot know it, so it decodes with
+  the unions ``REQUEST_OK_ANY_PARAMS`` / ``REQUEST_UPDATE_ANY_PARAMS`` and the
+  session looks the precise set up in ``REQUEST_OK_PARAMS_BY_REQUEST`` /
+  ``RU_PARAMS_BY_REQUEST`` (then ``params.check_scope``);
+* ``FILL_INNER_PARAMS``, what may appear inside FILL_PARAMETERS (9.20.16 Table 6).
+
+The sets hold plain ints, so ``t in SCOPE`` works for a decoded type before it
+is known to be a :class:`ParameterType`. This module depends on ``codes.py``
+only; ``params.py`` and ``messages.py`` re-export every name.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from kvcs_core.wire.codes import MessageType, ParameterType
+
+__all__ = [
+    "ALL_PARAMS",
+    "FETCH_OK_PARAMS",
+    "FETCH_PARAMS",
+    "FILL_INNER_PARAMS",
+    "NAMESPACE_REQUEST_PARAMS",
+    "PUBLISH_PARAMS",
+    "PUBLISH_STATE_NOTIFY_PARAMS",
+    "REQUEST_OK_ANY_PARAMS",
+    "REQUEST_OK_PARAMS_BY_REQUEST",
+    "REQUEST_OK_PUBLISH_NAMESPACE_PARAMS",
+    "REQUEST_OK_PUBLISH_PARAMS",
+    "REQUEST_OK_REQUEST_UPDATE_PARAMS",
+    "REQUEST_OK_SUBSCRIBE_NAMESPACE_PARAMS",
+    "REQUEST_OK_SUBSCRIBE_TRACKS_PARAMS",
+    "REQUEST_OK_TRACK_STATUS_PARAMS",
+    "REQUEST_OK_TRACK_STATUS_SEND_PARAMS",
+    "REQUEST_UPDATE_ANY_PARAMS",
+    "RU_FETCH_PARAMS",
+    "RU_PARAMS_BY_REQUEST",
+    "RU_PUBLISH_NAMESPACE_PARAMS",
+    "RU_PUBLISH_REQUESTER_PARAMS",
+    "RU_SUBSCRIBE_NAMESPACE_PARAMS",
+    "RU_SUBSCRIBE_TRACKS_PARAMS",
+    "RU_SUBSCRIPTION_PARAMS",
+    "SUBSCRIBE_OK_PARAMS",
+    "SUBSCRIBE_PARAMS",
+    "SUBSCRIBE_TRACKS_PARAMS",
+    "SUBSCRIBE_TRACKS_SEND_PARAMS",
+    "TRACK_STATUS_PARAMS",
+]
+
+P = ParameterType
+
+
+def _scope(*types: ParameterType) -> frozenset[int]:
+    return frozenset(types)
+
+
+SUBSCRIBE_PARAMS: Final = _scope(
+    P.OBJECT_DELIVERY_TIMEOUT, P.AUTHORIZATION_TOKEN, P.RENDEZVOUS_TIMEOUT,
+    P.SUBGROUP_DELIVERY_TIMEOUT, P.FORWARD, P.SUBSCRIBER_PRIORITY, P.LOCATION_FILTER,
+    P.GROUP_ORDER, P.FILL_PARAMETERS, P.SUBGROUP_FILTER, P.OBJECTID_FILTER,
+    P.PRIORITY_FILTER, P.OBJECT_PROPERTY_FILTER, P.NEW_GROUP_REQUEST, P.INCLUDE_PROPERTIES,
+)  # fmt: skip
+"""SUBSCRIBE (d21 section 9.6)."""
+SUBSCRIBE_OK_PARAMS: Final = _scope(P.EXPIRES, P.LARGEST_OBJECT)
+"""SUBSCRIBE_OK (d21 section 9.7)."""
+PUBLISH_PARAMS: Final = _scope(
+    P.OBJECT_DELIVERY_TIMEOUT, P.AUTHORIZATION_TOKEN, P.SUBGROUP_DELIVERY_TIMEOUT, P.EXPIRES,
+    P.LARGEST_OBJECT, P.FORWARD, P.SUBSCRIBER_PRIORITY, P.LOCATION_FILTER, P.GROUP_ORDER,
+)  # fmt: skip
+"""PUBLISH (d21 section 9.8; d21 added the subscription parameters)."""
+PUBLISH_STATE_NOTIFY_PARAMS: Final = _scope(P.LARGEST_OBJECT, P.FORWARD, P.LOCATION_FILTER)
+"""PUBLISH_STATE_NOTIFY (d21 section 9.10)."""
+FETCH_PARAMS: Final = _scope(
+    P.AUTHORIZATION_TOKEN, P.FILL_TIMEOUT, P.SUBSCRIBER_PRIORITY, P.LOCATION_FILTER,
+    P.GROUP_ORDER, P.SUBGROUP_FILTER, P.OBJECTID_FILTER, P.PRIORITY_FILTER,
+    P.OBJECT_PROPERTY_FILTER, P.INCLUDE_PROPERTIES,
+)  # fmt: skip
+"""FETCH (d21 section 9.11)."""
+FETCH_OK_PARAMS: Final = _scope()
+"""FETCH_OK (d21 section 9.12): no parameter is defined."""
+TRACK_STATUS_PARAMS: Final = _scope(P.AUTHORIZATION_TOKEN, P.INCLUDE_PROPERTIES)
+"""TRACK_STATUS (d21 section 9.13)."""
+NAMESPACE_REQUEST_PARAMS: Final = _scope(P.AUTHORIZATION_TOKEN)
+"""PUBLISH_NAMESPACE and SUBSCRIBE_NAMESPACE (d21 sections 9.14, 9.15)."""
+# Ambiguity A10: SUBSCRIBE_TRACKS accepts every SUBSCRIBE parameter plus 0x29 on receive.
+SUBSCRIBE_TRACKS_PARAMS: Final = SUBSCRIBE_PARAMS | _scope(P.TRACK_PROPERTY_FILTER)
+"""SUBSCRIBE_TRACKS (d21 section 9.18), receive scope (A10)."""
+SUBSCRIBE_TRACKS_SEND_PARAMS: Final = _scope(
+    P.AUTHORIZATION_TOKEN, P.FORWARD, P.GROUP_ORDER, P.SUBGROUP_FILTER, P.OBJECTID_FILTER,
+    P.PRIORITY_FILTER, P.OBJECT_PROPERTY_FILTER, P.TRACK_PROPERTY_FILTER, P.INCLUDE_PROPERTIES,
+)  # fmt: skip
+"""What A10 recommends sending in SUBSCRIBE_TRACKS to a peer not known to accept more."""
+
+RU_SUBSCRIPTION_PARAMS: Final = _scope(
+    P.OBJECT_DELIVERY_TIMEOUT, P.AUTHORIZATION_TOKEN, P.SUBGROUP_DELIVERY_TIMEOUT, P.FORWARD,
+    P.SUBSCRIBER_PRIORITY, P.LOCATION_FILTER, P.FILL_PARAMETERS, P.SUBGROUP_FILTER,
+    P.OBJECTID_FILTER, P.PRIORITY_FILTER, P.OBJECT_PROPERTY_FILTER, P.NEW_GROUP_REQUEST,
+)  # fmt: skip
+"""REQUEST_UPDATE on a subscription (SUBSCRIBE- or PUBLISH-created), from the subscriber."""
+RU_FETCH_PARAMS: Final = _scope(P.AUTHORIZATION_TOKEN, P.SUBSCRIBER_PRIORITY)
+"""REQUEST_UPDATE on a FETCH."""
+RU_PUBLISH_NAMESPACE_PARAMS: Final = _scope(P.AUTHORIZATION_TOKEN)
+"""REQUEST_UPDATE on a PUBLISH_NAMESPACE."""
+RU_SUBSCRIBE_NAMESPACE_PARAMS: Final = _scope(P.AUTHORIZATION_TOKEN, P.TRACK_NAMESPACE_PREFIX)
+"""REQUEST_UPDATE on a SUBSCRIBE_NAMESPACE."""
+RU_SUBSCRIBE_TRACKS_PARAMS: Final = _scope(
+    P.AUTHORIZATION_TOKEN, P.FORWARD, P.TRACK_PROPERTY_FILTER, P.TRACK_NAMESPACE_PREFIX
+)
+"""REQUEST_UPDATE on a SUBSCRIBE_TRACKS."""
+# Ambiguity A23: the PUBLISH requester may update too, but only a token is defined for it.
+RU_PUBLISH_REQUESTER_PARAMS: Final = _scope(P.AUTHORIZATION_TOKEN)
+"""REQUEST_UPDATE sent by the publisher on its own PUBLISH stream (A23)."""
+REQUEST_UPDATE_ANY_PARAMS: Final = (
+    RU_SUBSCRIPTION_PARAMS
+    | RU_FETCH_PARAMS
+    | RU_PUBLISH_NAMESPACE_PARAMS
+    | RU_SUBSCRIBE_NAMESPACE_PARAMS
+    | RU_SUBSCRIBE_TRACKS_PARAMS
+    | RU_PUBLISH_REQUESTER_PARAMS
+)
+"""Union of every REQUEST_UPDATE scope: what the stateless codec admits."""
+
+REQUEST_OK_PUBLISH_PARAMS: Final = _scope(P.EXPIRES)
+"""REQUEST_OK answering PUBLISH (PUBLISH_OK)."""
+REQUEST_OK_REQUEST_UPDATE_PARAMS: Final = _scope(P.EXPIRES, P.LARGEST_OBJECT)
+"""REQUEST_OK answering REQUEST_UPDATE (REQUEST_UPDATE_OK)."""
+# Ambiguity A8: accept EXPIRES in TRACK_STATUS_OK on receive, but never send it.
+REQUEST_OK_TRACK_STATUS_PARAMS: Final = _scope(P.LARGEST_OBJECT, P.EXPIRES)
+"""REQUEST_OK answering TRACK_STATUS, receive scope (A8: EXPIRES accepted, ignored)."""
+REQUEST_OK_TRACK_STATUS_SEND_PARAMS: Final = _scope(P.LARGEST_OBJECT)
+"""REQUEST_OK answering TRACK_STATUS, send scope (A8: never send EXPIRES)."""
+REQUEST_OK_SUBSCRIBE_NAMESPACE_PARAMS: Final = _scope(P.EXPIRES)
+"""REQUEST_OK answering SUBSCRIBE_NAMESPACE."""
+REQUEST_OK_SUBSCRIBE_TRACKS_PARAMS: Final = _scope(P.EXPIRES)
+"""REQUEST_OK answering SUBSCRIBE_TRACKS."""
+REQUEST_OK_PUBLISH_NAMESPACE_PARAMS: Final = _scope(P.EXPIRES)
+"""REQUEST_OK answering PUBLISH_NAMESPACE."""
+REQUEST_OK_ANY_PARAMS: Final = (
+    REQUEST_OK_PUBLISH_PARAMS
+    | REQUEST_OK_REQUEST_UPDATE_PARAMS
+    | REQUEST_OK_TRACK_STATUS_PARAMS
+    | REQUEST_OK_SUBSCRIBE_NAMESPACE_PARAMS
+    | REQUEST_OK_SUBSCRIBE_TRACKS_PARAMS
+    | REQUEST_OK_PUBLISH_NAMESPACE_PARAMS
+)
+"""Union of every REQUEST_OK scope: what the stateless codec admits."""
+
+FILL_INNER_PARAMS: Final = _scope(
+    P.FILL_TIMEOUT, P.SUBSCRIBER_PRIORITY, P.LOCATION_FILTER, P.GROUP_ORDER,
+    P.SUBGROUP_FILTER, P.OBJECTID_FILTER, P.PRIORITY_FILTER, P.OBJECT_PROPERTY_FILTER,
+)  # fmt: skip
+"""Allowed inside FILL_PARAMETERS (d21 section 9.20.16 Table 6)."""
+
+ALL_PARAMS: Final = frozenset(int(t) for t in ParameterType)
+"""Every defined type (for tests and tools, not for any message)."""
+
+REQUEST_OK_PARAMS_BY_REQUEST: Final[dict[MessageType, frozenset[int]]] = {
+    MessageType.PUBLISH: REQUEST_OK_PUBLISH_PARAMS,
+    MessageType.REQUEST_UPDATE: REQUEST_OK_REQUEST_UPDATE_PARAMS,
+    MessageType.TRACK_STATUS: REQUEST_OK_TRACK_STATUS_PARAMS,
+    MessageType.SUBSCRIBE_NAMESPACE: REQUEST_OK_SUBSCRIBE_NAMESPACE_PARAMS,
+    MessageType.SUBSCRIBE_TRACKS: REQUEST_OK_SUBSCRIBE_TRACKS_PARAMS,
+    MessageType.PUBLISH_NAMESPACE: REQUEST_OK_PUBLISH_NAMESPACE_PARAMS,
+}
+"""Receive scope of a REQUEST_OK by the message it answers."""
+
+RU_PARAMS_BY_REQUEST: Final[dict[MessageType, frozenset[int]]] = {
+    MessageType.SUBSCRIBE: RU_SUBSCRIPTION_PARAMS,
+    MessageType.PUBLISH: RU_SUBSCRIPTION_PARAMS,  # from the subscriber; publisher: A23
+    MessageType.FETCH: RU_FETCH_PARAMS,
+    MessageType.PUBLISH_NAMESPACE: RU_PUBLISH_NAMESPACE_PARAMS,
+    MessageType.SUBSCRIBE_NAMESPACE: RU_SUBSCRIBE_NAMESPACE_PARAMS,
+    MessageType.SUBSCRIBE_TRACKS: RU_SUBSCRIBE_TRACKS_PARAMS,
+}
+"""Scope of a REQUEST_UPDATE by the request it updates (TRACK_STATUS: none allowed)."""
