@@ -1,0 +1,1 @@
+"""Tensors at the edge: numpy, torch and inference-library KV-cache adapters (arrive later)."""

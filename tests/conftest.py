@@ -1,0 +1,22 @@
+"""Shared pytest setup: one Hypothesis profile for the whole suite.
+
+``kvcs`` (the default): no per-example deadline (CI machines are slow and
+shared) and a reproduction blob printed with every failure. When the ``CI``
+environment variable is set, examples are also derandomized, so a CI run is
+the same run every time; locally Hypothesis keeps exploring new examples.
+Choose another profile with ``HYPOTHESIS_PROFILE=<name>``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile(
+    "kvcs",
+    deadline=None,
+    print_blob=True,
+    derandomize=bool(os.environ.get("CI")),
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvcs"))

@@ -1,0 +1,1 @@
+"""I/O bindings for ``kvcs_core``: loopback, aioquic (asyncio, trio), the ``kvcs`` command."""
