@@ -1,0 +1,182 @@
+"""Helpers shared by the fuzz harnesses (not a harness itself).
+
+* :func:`split_input` takes the fuzzer-chosen split point from the input, the
+  way ``atheris.FuzzedDataProvider`` does (``ConsumeUInt(2)`` reads the first two
+  bytes, little-endian); without atheris installed it computes the very same
+  thing, so a corpus file means the same to atheris and to the hypothesis smoke
+  test.
+* :func:`normalize` turns decoded items into plain comparable values
+  (payload memoryviews become ``bytes``), so that "the same items" means the
+  same bytes, however the decoder produced them.
+* :func:`run_stream` feeds chunks to an incremental decoder and records the
+  outcome: the items (normalized *when returned*, and checked again at the end
+  so a payload view that changes after it was handed out is caught) and the
+  error code, if any.
+* :func:`assert_same_outcome` is the split-invariance check.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import sys
+import types
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import attrs
+
+from kvcs_core.wire.errors import CodecError
+
+try:
+    import atheris
+except ImportError:  # the hypothesis smoke test runs without it
+    atheris = None
+
+SPLIT_SEED_BYTES = 2
+"""Bytes at the start of every fuzz input that choose the split point."""
+
+BYTEWISE_MAX = 96
+"""Inputs up to this long are also fed one byte at a time."""
+
+
+def instrument_package(prefix: str = "kvcs_core") -> int:
+    """Add atheris coverage instrumentation to every loaded function of ``prefix``.
+
+    ``atheris.instrument_all()`` does this for *every* loaded function, which
+    takes many seconds per harness start; the code under test is only ours.
+    Returns the number of functions instrumented.
+    """
+    assert atheris is not None, "atheris is not installed"
+    count = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, types.FunctionType):
+            continue
+        module = getattr(obj, "__module__", None) or ""
+        if module.split(".")[0] != prefix or module not in sys.modules:
+            continue
+        atheris.instrument_func(obj)
+        count += 1
+    return count
+
+
+def fuzz_main(check: Callable[[bytes], None]) -> None:
+    """The atheris entry point of a harness: instrument ``kvcs_core`` and fuzz ``check``."""
+    if atheris is None:
+        sys.exit("atheris is not installed: pip install atheris (the fuzz extra)")
+    n = instrument_package()
+    print(f"INFO: instrumented {n} kvcs_core functions", file=sys.stderr)
+    atheris.Setup(sys.argv, check)
+    atheris.Fuzz()
+
+
+def split_input(data: bytes) -> tuple[bytes, int]:
+    """``(body, cut)``: the bytes to decode and a fuzzer-chosen cut in ``0..len(body)``."""
+    if atheris is not None:
+        fdp = atheris.FuzzedDataProvider(data)
+        seed = fdp.ConsumeUInt(SPLIT_SEED_BYTES)
+        body = fdp.ConsumeBytes(fdp.remaining_bytes())
+    else:
+        seed = int.from_bytes(data[:SPLIT_SEED_BYTES], "little")
+        body = data[SPLIT_SEED_BYTES:]
+    return body, seed % (len(body) + 1)
+
+
+def with_split_seed(body: bytes, seed: int = 0) -> bytes:
+    """A fuzz input that decodes ``body`` (what :func:`split_input` takes apart)."""
+    return seed.to_bytes(SPLIT_SEED_BYTES, "little") + body
+
+
+def normalize(value: Any) -> Any:
+    """A plain, comparable, byte-exact copy of a decoded value."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, enum.Enum):
+        return (type(value).__name__, value.value)
+    if attrs.has(type(value)):
+        return (
+            type(value).__name__,
+            tuple((a.name, normalize(getattr(value, a.name))) for a in attrs.fields(type(value))),
+        )
+    if isinstance(value, tuple | list):
+        return tuple(normalize(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((repr(k), normalize(v)) for k, v in value.items()))
+    if isinstance(value, frozenset | set):
+        return tuple(sorted(repr(normalize(v)) for v in value))
+    return value
+
+
+class StreamDecoder(Protocol):
+    def feed(self, data: bytes) -> Sequence[Any]: ...
+    def close(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a decoder made of one input: normalized items and the error code or None."""
+
+    items: tuple[Any, ...]
+    error: int | None
+    raw: tuple[Any, ...] = ()
+
+    def describe(self) -> str:
+        err = "no error" if self.error is None else f"CodecError code {self.error:#x}"
+        return f"{len(self.items)} items, {err}"
+
+
+def run_stream(make: Callable[[], StreamDecoder], chunks: Iterable[bytes]) -> Outcome:
+    """Feed ``chunks`` then FIN (``close()``); only :class:`CodecError` may escape the decoder."""
+    dec = make()
+    raw: list[Any] = []
+    seen: list[Any] = []
+    error: int | None = None
+    try:
+        for chunk in chunks:
+            got = dec.feed(chunk)
+            raw.extend(got)
+            seen.extend(normalize(x) for x in got)
+        extra = dec.close()
+        if isinstance(extra, list | tuple):  # a close() that flushes final items
+            raw.extend(extra)
+            seen.extend(normalize(x) for x in extra)
+    except CodecError as e:
+        error = int(e.code)
+        # A failed decoder stays failed: the same error again, never anything else.
+        try:
+            dec.close()
+        except CodecError as again:
+            assert int(again.code) == error, f"error changed after failure: {again!r} vs {e!r}"
+        else:
+            raise AssertionError(f"close() succeeded after {e!r}") from None
+    later = tuple(normalize(x) for x in raw)
+    assert later == tuple(seen), "an item changed after it was returned (payload view reused?)"
+    return Outcome(tuple(seen), error, tuple(raw))
+
+
+def chunkings(body: bytes, cut: int) -> list[tuple[str, list[bytes]]]:
+    """The ways each input is fed: whole, split at ``cut``, and byte-at-a-time if short."""
+    ways = [("whole", [body]), (f"split@{cut}", [body[:cut], body[cut:]])]
+    if len(body) <= BYTEWISE_MAX:
+        ways.append(("bytewise", [body[i : i + 1] for i in range(len(body))]))
+    return ways
+
+
+def assert_same_outcome(results: Sequence[tuple[str, Outcome]]) -> None:
+    """Every way of feeding must give the same items, or the same error.
+
+    When the input is bad, a chunked run may have returned the items completed
+    before the bad bytes while a whole-buffer run raised at once, so on error
+    the item lists need only be prefixes of one another; the error code must
+    be the same.
+    """
+    (name0, first), *rest = results
+    for name, other in rest:
+        where = f"{name0} ({first.describe()}) vs {name} ({other.describe()})"
+        assert other.error == first.error, f"different errors: {where}"
+        if first.error is None:
+            assert other.items == first.items, f"different items: {where}"
+        else:
+            n = min(len(first.items), len(other.items))
+            assert other.items[:n] == first.items[:n], f"different items before the error: {where}"
