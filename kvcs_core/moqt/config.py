@@ -1,0 +1,69 @@
+"""Session configuration: role, advertised setup options and every local limit.
+
+Theory of operation
+-------------------
+Everything a peer can make a session hold is bounded here, with the reason for
+each default (STYLE.md R8). Limits are local policy, not wire rules; exceeding
+one has a defined outcome, named next to the limit. Setup options we advertise
+(d21 section 9.1) are taken from this configuration as well.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class Role(enum.IntEnum):
+    """Which end of the QUIC connection this session is (d21 section 6.4.2.1: Request ID parity)."""
+
+    CLIENT = 0
+    SERVER = 1
+
+
+@attrs.frozen(kw_only=True)
+class SessionConfig:
+    """How one MOQT session behaves. All durations are seconds (the wire uses ms)."""
+
+    role: Role
+    implementation: bytes = b"kvcs-py/0.1"
+    """MOQT_IMPLEMENTATION setup option (d21 section 9.1)."""
+    authority: bytes | None = None
+    """AUTHORITY setup option: clients over native QUIC only."""
+    path: bytes | None = None
+    """PATH setup option: clients over native QUIC only."""
+    max_filter_ranges: int = 16
+    """MAX_FILTER_RANGES we accept in one subscription or fetch (0 = no range filters).
+    More -> REQUEST_ERROR INVALID_FILTER."""
+    max_request_updates: int = 16
+    """MAX_REQUEST_UPDATES: unanswered REQUEST_UPDATEs we accept per request stream.
+    More -> close TOO_MANY_REQUEST_UPDATES."""
+    max_auth_token_cache_size: int = 0
+    """MAX_AUTH_TOKEN_CACHE_SIZE we advertise (0: no token aliases)."""
+
+    setup_timeout: float = 10.0
+    """Peer SETUP not received this long after start -> close CONTROL_MESSAGE_TIMEOUT."""
+    request_timeout: float = 30.0
+    """A request of ours unanswered this long -> close CONTROL_MESSAGE_TIMEOUT (d21 12.2)."""
+
+    max_concurrent_peer_requests: int = 1024
+    """Requests the peer may have open on this session at once (each holds state).
+    More -> REQUEST_ERROR EXCESSIVE_LOAD with a Retry Interval (d21 section 9.1)."""
+    max_peer_data_streams: int = 4096
+    """Data streams the peer may have open towards us at once. More -> the new
+    stream is stopped (STOP_SENDING EXCESSIVE_LOAD); QUIC's own stream limit
+    normally bounds this first."""
+    max_pre_setup_bytes: int = 256 * 1024
+    """Bytes buffered on request and data streams that arrive before the peer's
+    SETUP (d21 section 6.3: SHOULD buffer). More -> close PROTOCOL_VIOLATION."""
+    max_unknown_alias_bytes: int = 256 * 1024
+    """Bytes buffered on subgroup streams whose Track Alias is not known yet
+    (the SUBSCRIBE_OK may still be on its way). More -> STOP_SENDING the stream."""
+    max_payload_size: int = 64 * 1024 * 1024
+    """Largest object payload we accept (local limit; more -> PROTOCOL_VIOLATION)."""
+    max_queued_bytes_per_subscription: int = 64 * 1024 * 1024
+    """Bytes of objects queued towards the peer for one live subscription before
+    it counts as too far behind -> PUBLISH_DONE TOO_FAR_BEHIND (d21 section 5.2)."""
+    retry_interval_ms: int = 1000
+    """Retry Interval we suggest when refusing for load (d21 section 9.4.2)."""

@@ -1,0 +1,623 @@
+"""The publisher's data path: serving subscriptions, fills and FETCHes from a TrackStore.
+
+Theory of operation
+-------------------
+Objects live in a :class:`TrackStore` (shared by every session that serves the
+track); this module decides what goes to *this* peer, on which stream, in which
+order (d21 sections 3, 5.1.2, 11):
+
+* **Subscriptions** (d21 section 3.1). On SUBSCRIBE_OK the subscription window
+  and the fill range are computed against one Largest Object in one step
+  (Ambiguity A27), so the exactly-once recipe (NEXT_OBJECT + FILL{ABSOLUTE_START
+  0,0}) has neither gap nor overlap (wire reference section 6). From then on the
+  store's listener offers each new object; objects that pass Forward, the
+  window and the range filters (d21 3.3.3) go onto one subgroup stream per
+  (group, subgroup) (d21 11.3), opened on first use, FIN'd after an End of Group
+  or End of Track object or when a later group starts (the original publisher
+  produces groups in order), or onto datagrams for Datagram-preference objects.
+* **Fills** (d21 section 3.4). A fill is a fetch-format stream named by the
+  SUBSCRIBE's (or REQUEST_UPDATE's) Request ID, read lazily from the store over
+  the fill range and FIN'd at its end; it is only opened while Forward is 1.
+* **FETCH** (d21 section 9.11). The range is evaluated with the FETCH rules;
+  nothing published or a start past Largest Object is REQUEST_ERROR
+  INVALID_RANGE. FETCH_OK is sent at once (End Location = the last object that
+  exists in the range, Ambiguity A2d) and the objects follow on one stream.
+* **Sending is pulled** (STYLE.md R9): :meth:`Publisher.poll_data` asks the
+  :class:`Scheduler` for the most urgent sender (d21 5.1.2: subscriber
+  priority, then publisher priority, then group order, fill before subscription
+  within a group, then subgroup) and writes at most ``max_bytes`` of it, header
+  and payload as separate chunks (scatter/gather; payloads are views into the
+  store, never copied). Fills and fetches read the store through a cursor, so a
+  large range costs no queue memory.
+* **Ending**. ``end_subscription`` lets queued objects drain, FINs every stream,
+  then sends PUBLISH_DONE with the stream count (d21 9.9: PUBLISH_DONE only after
+  every stream is closed). A cancelled subscription resets all its streams
+  (d21 4.5). A subscription whose queue passes
+  ``max_queued_bytes_per_subscription`` ends with PUBLISH_DONE TOO_FAR_BEHIND
+  and its streams are reset (d21 5.2).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvcs_core.moqt.config import SessionConfig
+from kvcs_core.moqt.output import Output
+from kvcs_core.moqt.requests import RequestRecord
+from kvcs_core.moqt.scheduler import Scheduler, SendKey
+from kvcs_core.moqt.transport_io import (
+    AbortKind,
+    SendDatagram,
+    StreamAborted,
+    StreamRef,
+    WriteStream,
+)
+from kvcs_core.moqt.windows import RangeFilterSet, Window, fetch_range, subscription_window
+from kvcs_core.wire import messages as m
+from kvcs_core.wire import params as p
+from kvcs_core.wire.codes import (
+    GroupOrder,
+    ObjectStatus,
+    PublishDoneCode,
+    RequestErrorCode,
+    StreamResetCode,
+)
+from kvcs_core.wire.datagram import ObjectDatagram, encode_datagram_header
+from kvcs_core.wire.fetch import FetchStreamWriter
+from kvcs_core.wire.names import Location
+from kvcs_core.wire.subgroup import SubgroupHeader, SubgroupIdMode, SubgroupStreamWriter
+
+if TYPE_CHECKING:
+    from kvcs_core.moqt.track_store import ListenerHandle, StoredObject, TrackStore
+
+
+class _Kind(enum.IntEnum):
+    SUBGROUP = 1
+    FILL = 2
+    FETCH = 3
+    DATAGRAMS = 4
+
+
+@attrs.define(eq=False)
+class _Served:
+    """A subscription or FETCH we serve to the peer."""
+
+    rec: RequestRecord
+    store: TrackStore
+    priority: int
+    group_order: GroupOrder
+    forward: bool = True
+    window: Window | None = None
+    filters: RangeFilterSet = attrs.field(factory=RangeFilterSet)
+    alias: int = 0
+    listener: ListenerHandle | None = None
+    senders: dict[tuple[int, int], _Sender] = attrs.field(factory=dict)
+    """Open subgroup senders by (group, subgroup)."""
+    others: list[_Sender] = attrs.field(factory=list)
+    """Fill / fetch / datagram senders."""
+    streams_opened: int = 0
+    queued_bytes: int = 0
+    ending: tuple[int, str] | None = None
+    current_group: int | None = None
+    done: bool = False
+
+
+@attrs.define(eq=False)
+class _Sender:
+    sid: int
+    kind: _Kind
+    served: _Served
+    stream: StreamRef | None = None
+    queue: deque[StoredObject] = attrs.field(factory=deque)
+    cursor: Iterator[StoredObject] | None = None
+    subgroup_writer: SubgroupStreamWriter | None = None
+    fetch_writer: FetchStreamWriter | None = None
+    partial: list[memoryview] = attrs.field(factory=list)
+    fin_when_drained: bool = False
+    finished: bool = False
+    group_id: int = 0
+    subgroup_id: int = 0
+    filters: RangeFilterSet | None = None
+    """Range filters for a cursor sender (fill/fetch); None: the served request's."""
+
+
+def _fill_or_fetch_order(params: p.Parameters, default: GroupOrder) -> GroupOrder:
+    order = params.get(p.GroupOrderParam)
+    return order.order if order is not None else default
+
+
+class Publisher:
+    """Everything this session sends as a publisher (see the module docstring)."""
+
+    def __init__(self, out: Output, config: SessionConfig) -> None:
+        self._out = out
+        self._config = config
+        self._served: dict[int, _Served] = {}
+        self._senders: dict[int, _Sender] = {}
+        self._by_stream: dict[StreamRef, _Sender] = {}
+        self._sched = Scheduler()
+        self._next_sid = 0
+        self._next_alias = 0
+        self._seq = 0
+        self.now = 0.0
+
+    # -- answering requests ------------------------------------------------------------
+
+    def accept_subscribe(
+        self,
+        rec: RequestRecord,
+        store: TrackStore,
+        now: float,
+        track_alias: int | None,
+        expires_ms: int | None,
+    ) -> None:
+        self.now = now
+        params = rec.params
+        prio = params.get(p.SubscriberPriority)
+        fwd = params.get(p.Forward)
+        alias = track_alias if track_alias is not None else self._take_alias()
+        served = _Served(
+            rec=rec,
+            store=store,
+            priority=prio.value if prio else 128,
+            group_order=_fill_or_fetch_order(params, store.group_order),
+            forward=fwd is None or fwd.value == 1,
+            filters=RangeFilterSet.from_params(params),
+            alias=alias,
+        )
+        # Ambiguity A27: window and fill range against one Largest Object, in one step.
+        largest = store.largest
+        served.window = subscription_window(params.get(p.LocationFilter), largest)
+        self._served[rec.request_id] = served
+        ok_params: list[p.Parameter] = []
+        if expires_ms:
+            ok_params.append(p.Expires(expires_ms))
+        if largest is not None:
+            ok_params.append(p.LargestObject(largest))
+        self._out.send(
+            rec.stream, m.SubscribeOk(alias, p.Parameters(ok_params), store.track_properties)
+        )
+        fill = params.get(p.FillParameters)
+        if fill is not None and served.forward:
+            self._open_fill(served, rec.request_id, fill.params, largest)
+        served.listener = store.subscribe_listener(lambda obj: self._on_object(served, obj))
+
+    def accept_fetch(self, rec: RequestRecord, store: TrackStore, now: float) -> bool:
+        self.now = now
+        params = rec.params
+        largest = store.largest
+        rng = fetch_range(params.get(p.LocationFilter), largest)
+        end = self._last_existing(store, rng.start, rng.end) if rng is not None else None
+        if rng is None or end is None:
+            self._out.send(
+                rec.stream,
+                m.RequestError(RequestErrorCode.INVALID_RANGE, 0, b"nothing in range"),
+                fin=True,
+            )
+            rec.local_fin = True
+            return False
+        prio = params.get(p.SubscriberPriority)
+        served = _Served(
+            rec=rec,
+            store=store,
+            priority=prio.value if prio else 128,
+            group_order=_fill_or_fetch_order(params, GroupOrder.ASCENDING),
+            filters=RangeFilterSet.from_params(params),
+        )
+        self._served[rec.request_id] = served
+        eot = store.end_of_track
+        end_of_track = eot is not None and end >= eot
+        self._out.send(
+            rec.stream, m.FetchOk(end_of_track, end, p.Parameters(), store.track_properties)
+        )
+        self._add_cursor_sender(
+            served, _Kind.FETCH, rec.request_id, rng.start, end, served.group_order
+        )
+        return True
+
+    def update_subscription(
+        self, rec: RequestRecord, update_id: int, params: p.Parameters, now: float
+    ) -> None:
+        """Apply a REQUEST_UPDATE (d21 9.5): FORWARD first, then FILL_PARAMETERS (A16)."""
+        self.now = now
+        served = self._served.get(rec.request_id)
+        ok: list[p.Parameter] = []
+        if served is None or served.done:
+            self._out.send(rec.stream, m.RequestOk(p.Parameters()))
+            return
+        largest = served.store.largest
+        fwd = params.get(p.Forward)
+        if fwd is not None:
+            served.forward = fwd.value == 1
+        prio = params.get(p.SubscriberPriority)
+        if prio is not None:
+            served.priority = prio.value
+        lf = params.get(p.LocationFilter)
+        if lf is not None:
+            served.window = subscription_window(lf, largest)
+        served.filters = served.filters.apply_update(params)
+        if largest is not None:
+            ok.append(p.LargestObject(largest))
+        self._out.send(rec.stream, m.RequestOk(p.Parameters(ok)))
+        fill = params.get(p.FillParameters)
+        if fill is not None and served.forward:
+            self._open_fill(served, update_id, fill.params, largest)
+
+    def end_subscription(self, rec: RequestRecord, status: int, reason: str) -> None:
+        served = self._served.get(rec.request_id)
+        if served is None:
+            self._out.send(rec.stream, m.PublishDone(status, 0, reason.encode()[:1024]), fin=True)
+            rec.local_fin = True
+            return
+        served.ending = (status, reason)
+        self._detach(served)
+        for sender in served.senders.values():
+            sender.fin_when_drained = True
+            self._reschedule(sender)
+        self._maybe_finish(served)
+
+    def cancel(self, rec: RequestRecord) -> None:
+        """The peer cancelled: reset every stream of the request (d21 4.5)."""
+        served = self._served.pop(rec.request_id, None)
+        if served is None:
+            return
+        self._detach(served)
+        for sender in [*served.senders.values(), *served.others]:
+            self._abort_sender(sender, StreamResetCode.CANCELLED)
+        served.done = True
+
+    def on_stream_aborted(self, event: StreamAborted) -> None:
+        sender = self._by_stream.get(event.stream)
+        if sender is not None and event.kind is AbortKind.STOP_SENDING:
+            self._abort_sender(sender, StreamResetCode.CANCELLED)
+            self._maybe_finish(sender.served)
+
+    def on_timer(self, now: float) -> None:
+        self.now = now
+
+    # -- the data pump --------------------------------------------------------------------
+
+    def poll_data(self, max_bytes: int, now: float) -> WriteStream | SendDatagram | None:
+        self.now = max(self.now, now)
+        while True:
+            sid = self._sched.pop_best()  # a turn: equal-priority flows rotate
+            if sid is None:
+                return None
+            sender = self._senders[sid]
+            out = self._produce(sender, max_bytes)
+            self._reschedule(sender)
+            if out is not None:
+                return out
+            # the sender had nothing after all (filtered objects): try the next one
+
+    def _produce(self, sender: _Sender, budget: int) -> WriteStream | SendDatagram | None:
+        if sender.finished:
+            return None
+        if sender.kind is _Kind.DATAGRAMS:
+            obj = sender.queue.popleft() if sender.queue else None
+            if obj is None:
+                return None
+            sender.served.queued_bytes -= obj.payload.nbytes
+            return self._datagram(sender.served, obj)
+        assert sender.stream is not None
+        if not sender.partial:
+            obj = self._next_object(sender)
+            if obj is None:
+                if (
+                    sender.fin_when_drained
+                    or (sender.cursor is None
+                    and sender.kind is not _Kind.SUBGROUP)
+                ):
+                    return self._fin(sender)
+                return None
+            sender.partial = self._encode(sender, obj)
+        chunks: list[memoryview] = []
+        while sender.partial and budget > 0:
+            head = sender.partial[0]
+            if head.nbytes <= budget:
+                chunks.append(head)
+                budget -= head.nbytes
+                sender.partial.pop(0)
+            else:
+                chunks.append(head[:budget])
+                sender.partial[0] = head[budget:]
+                budget = 0
+        fin = False
+        if (
+            not sender.partial
+            and sender.fin_when_drained
+            and not sender.queue
+            and sender.cursor is None
+        ):
+            fin = True
+            self._mark_finished(sender)
+        return WriteStream(stream=sender.stream, chunks=tuple(chunks), fin=fin)
+
+    def _next_object(self, sender: _Sender) -> StoredObject | None:
+        served = sender.served
+        if sender.cursor is not None:
+            filters = sender.filters if sender.filters is not None else served.filters
+            for obj in sender.cursor:
+                if filters.matches(obj):
+                    return obj
+            sender.cursor = None
+            sender.fin_when_drained = True
+            return None
+        if sender.queue:
+            obj = sender.queue.popleft()
+            served.queued_bytes -= obj.payload.nbytes
+            if obj.status is not ObjectStatus.NORMAL:
+                sender.fin_when_drained = True
+            return obj
+        return None
+
+    def _encode(self, sender: _Sender, obj: StoredObject) -> list[memoryview]:
+        if sender.subgroup_writer is not None:
+            prefix = sender.subgroup_writer.object_prefix(
+                obj.location.object,
+                payload_length=obj.payload.nbytes,
+                status=obj.status,
+                properties=None,
+            )
+        else:
+            assert sender.fetch_writer is not None
+            prefix = sender.fetch_writer.object_prefix(
+                obj.location.group,
+                obj.location.object,
+                subgroup_id=obj.subgroup_id,
+                publisher_priority=obj.publisher_priority,
+                properties=obj.properties,
+                payload_length=obj.payload.nbytes,
+                datagram=obj.datagram,
+            )
+        chunks = [memoryview(prefix)]
+        if obj.payload.nbytes:
+            chunks.append(obj.payload)
+        return chunks
+
+    def _datagram(self, served: _Served, obj: StoredObject) -> SendDatagram:
+        d = ObjectDatagram(
+            track_alias=served.alias,
+            group_id=obj.location.group,
+            object_id=obj.location.object,
+            publisher_priority=obj.publisher_priority,
+            properties=obj.properties or None,
+            status=None if obj.status is ObjectStatus.NORMAL else obj.status,
+            end_of_group=False,
+            payload=b"" if obj.status is not ObjectStatus.NORMAL else obj.payload,
+        )
+        header = encode_datagram_header(d)
+        if obj.status is ObjectStatus.NORMAL and obj.payload.nbytes:
+            return SendDatagram(chunks=(header, obj.payload))
+        return SendDatagram(chunks=(header,))
+
+    def _fin(self, sender: _Sender) -> WriteStream:
+        assert sender.stream is not None
+        self._mark_finished(sender)
+        return WriteStream(stream=sender.stream, chunks=(), fin=True)
+
+    def _mark_finished(self, sender: _Sender) -> None:
+        sender.finished = True
+        self._sched.set_idle(sender.sid)
+        self._senders.pop(sender.sid, None)
+        if sender.stream is not None:
+            self._by_stream.pop(sender.stream, None)
+        served = sender.served
+        key = (sender.group_id, sender.subgroup_id)
+        if sender.kind is _Kind.SUBGROUP and served.senders.get(key) is sender:
+            del served.senders[key]
+        if sender in served.others:
+            served.others.remove(sender)
+        self._maybe_finish(served)
+
+    # -- live objects -------------------------------------------------------------------
+
+    def _on_object(self, served: _Served, obj: StoredObject) -> None:
+        if served.done or served.ending is not None or not served.forward:
+            return
+        window = served.window
+        if window is not None and not window.contains(obj.location):
+            return
+        if not served.filters.matches(obj):
+            return
+        group = obj.location.group
+        if served.current_group is not None and group != served.current_group:
+            # the original publisher produces groups in order: earlier subgroups are complete
+            for key, sender in list(served.senders.items()):
+                if key[0] != group:
+                    sender.fin_when_drained = True
+                    self._reschedule(sender)
+        served.current_group = group
+        if obj.datagram:
+            sender = self._datagram_sender(served)
+        else:
+            sender = self._subgroup_sender(served, obj)
+        sender.queue.append(obj)
+        served.queued_bytes += obj.payload.nbytes
+        self._reschedule(sender)
+        if served.queued_bytes > self._config.max_queued_bytes_per_subscription:
+            self._too_far_behind(served)
+
+    def _subgroup_sender(self, served: _Served, obj: StoredObject) -> _Sender:
+        sub = obj.subgroup_id or 0
+        key = (obj.location.group, sub)
+        sender = served.senders.get(key)
+        if sender is not None:
+            return sender
+        first = self._is_first_in_subgroup(served.store, obj)
+        header = SubgroupHeader(
+            track_alias=served.alias,
+            group_id=obj.location.group,
+            subgroup_id_mode=SubgroupIdMode.ZERO if sub == 0 else SubgroupIdMode.EXPLICIT,
+            subgroup_id=sub,
+            publisher_priority=obj.publisher_priority,
+            first_object=first,
+        )
+        sender = self._new_sender(served, _Kind.SUBGROUP, priority=obj.publisher_priority)
+        sender.group_id, sender.subgroup_id = key
+        sender.subgroup_writer = SubgroupStreamWriter(header)
+        assert sender.stream is not None
+        self._out.write(sender.stream, sender.subgroup_writer.header_bytes())
+        served.senders[key] = sender
+        return sender
+
+    def _datagram_sender(self, served: _Served) -> _Sender:
+        for sender in served.others:
+            if sender.kind is _Kind.DATAGRAMS:
+                return sender
+        sender = self._new_sender(served, _Kind.DATAGRAMS, priority=128, stream=False)
+        served.others.append(sender)
+        return sender
+
+    def _open_fill(
+        self, served: _Served, via_request_id: int, inner: p.Parameters, largest: Location | None
+    ) -> None:
+        """d21 3.4: fill range = inner LOCATION_FILTER, else the subscription's, by FETCH rules."""
+        lf = inner.get(p.LocationFilter) or served.rec.params.get(p.LocationFilter)
+        rng = fetch_range(lf, largest)
+        if rng is None:
+            return  # empty range or start past Largest Object: no fill stream (wire ref. 6.2)
+        order = _fill_or_fetch_order(inner, served.group_order)
+        sender = self._add_cursor_sender(
+            served, _Kind.FILL, via_request_id, rng.start, rng.end, order
+        )
+        # the fill inherits the subscription's range filters; inner ones override (d21 3.4)
+        sender.filters = served.filters.apply_update(inner)
+
+    def _add_cursor_sender(
+        self,
+        served: _Served,
+        kind: _Kind,
+        request_id: int,
+        start: Location,
+        end: Location,
+        order: GroupOrder,
+    ) -> _Sender:
+        sender = self._new_sender(served, kind, priority=0)
+        sender.fetch_writer = FetchStreamWriter(request_id, order)
+        sender.cursor = served.store.objects_in(start, end, order)
+        assert sender.stream is not None
+        self._out.write(sender.stream, sender.fetch_writer.header_bytes())
+        served.others.append(sender)
+        self._reschedule(sender)
+        return sender
+
+    def _new_sender(
+        self, served: _Served, kind: _Kind, *, priority: int, stream: bool = True
+    ) -> _Sender:
+        sid = self._next_sid
+        self._next_sid += 1
+        sender = _Sender(sid=sid, kind=kind, served=served)
+        if stream:
+            sender.stream = self._out.open_stream(uni=True, priority=served.priority)
+            self._by_stream[sender.stream] = sender
+            served.streams_opened += 1
+        self._senders[sid] = sender
+        return sender
+
+    def _reschedule(self, sender: _Sender) -> None:
+        if sender.finished:
+            return
+        ready = bool(
+            sender.partial or sender.queue or sender.cursor is not None or sender.fin_when_drained
+        )
+        if not ready:
+            self._sched.set_idle(sender.sid)
+            return
+        self._seq += 1
+        head = sender.queue[0] if sender.queue else None
+        served = sender.served
+        group = head.location.group if head is not None else sender.group_id
+        self._sched.set_ready(
+            sender.sid,
+            SendKey.make(
+                subscriber_priority=served.priority,
+                publisher_priority=head.publisher_priority if head is not None else 128,
+                group_id=group,
+                descending=served.group_order is GroupOrder.DESCENDING,
+                fill=sender.kind in (_Kind.FILL, _Kind.FETCH),
+                datagram=sender.kind is _Kind.DATAGRAMS,
+                subgroup_or_object=sender.subgroup_id,
+                seq=head.seq if head is not None else sender.sid,
+                flow=served.rec.request_id,
+            ),
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _take_alias(self) -> int:
+        alias = self._next_alias
+        self._next_alias += 1
+        return alias
+
+    @staticmethod
+    def _is_first_in_subgroup(store: TrackStore, obj: StoredObject) -> bool:
+        for other in store.objects_in(
+            Location(obj.location.group, 0), obj.location, GroupOrder.ASCENDING
+        ):
+            if other.location == obj.location:
+                return True
+            if (other.subgroup_id or 0) == (obj.subgroup_id or 0) and not other.datagram:
+                return False
+        return True
+
+    @staticmethod
+    def _last_existing(store: TrackStore, start: Location, end: Location) -> Location | None:
+        last: Location | None = None
+        for obj in store.objects_in(start, end, GroupOrder.ASCENDING):
+            last = obj.location
+        return last
+
+    def _detach(self, served: _Served) -> None:
+        if served.listener is not None:
+            served.store.remove_listener(served.listener)
+            served.listener = None
+
+    def _abort_sender(self, sender: _Sender, code: int) -> None:
+        if sender.finished:
+            return
+        if sender.stream is not None:
+            self._out.abort(sender.stream, AbortKind.RESET, code)
+        sender.queue.clear()
+        sender.partial.clear()
+        sender.cursor = None
+        self._mark_finished(sender)
+
+    def _too_far_behind(self, served: _Served) -> None:
+        self._detach(served)
+        for sender in [*served.senders.values(), *served.others]:
+            self._abort_sender(sender, StreamResetCode.TOO_FAR_BEHIND)
+        served.queued_bytes = 0
+        served.ending = (PublishDoneCode.TOO_FAR_BEHIND, "subscriber too far behind")
+        self._maybe_finish(served)
+
+    def _maybe_finish(self, served: _Served) -> None:
+        if served.done:
+            return
+        rec = served.rec
+        if served.ending is None:
+            if rec.kind.name == "FETCH" and not served.others:
+                # every object of the FETCH was sent and the stream FIN'd
+                served.done = True
+                self._served.pop(rec.request_id, None)
+                if not rec.local_fin:
+                    self._out.write(rec.stream, fin=True)
+                    rec.local_fin = True
+            return
+        if served.senders or served.others:
+            return
+        served.done = True
+        self._served.pop(rec.request_id, None)
+        status, reason = served.ending
+        if not rec.local_fin:
+            self._out.send(
+                rec.stream,
+                m.PublishDone(status, served.streams_opened, reason.encode()[:1024]),
+                fin=True,
+            )
+            rec.local_fin = True

@@ -1,0 +1,336 @@
+"""The subscriber's data path: data streams and datagrams in, ``ObjectReceived`` out.
+
+Theory of operation
+-------------------
+Subgroup streams and datagrams name their track by Track Alias, learned from
+SUBSCRIBE_OK (d21 section 3.1.2); fetch and fill streams name a request by the
+Request ID in FETCH_HEADER (d21 section 11.4.1): a FETCH of ours, a SUBSCRIBE of
+ours (its initial fill) or one of our REQUEST_UPDATEs on a subscription (a
+later fill), which is how a fill is told apart from a FETCH response (wire
+reference section 6, item 1).
+
+A subgroup stream may arrive before the SUBSCRIBE_OK that defines its alias;
+its decoded items are held (bounded by ``max_unknown_alias_bytes``) and
+released when the alias becomes known, else the stream is stopped (d21 section
+7.1: "abandon it or buffer briefly"). Objects for a request that has ended are
+dropped quietly and their stream is stopped (wire reference 7.1).
+
+Decoding a fetch stream needs its group order (Group ID deltas run backwards
+when descending): the FETCH's GROUP_ORDER, or for a fill the inner
+FILL_PARAMETERS GROUP_ORDER, else the subscription's (Ambiguity A6: we always
+send GROUP_ORDER explicitly).
+
+Malformed bytes raise :class:`CodecError`, which the session turns into a close
+with the error's code.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvcs_core.moqt.config import SessionConfig
+from kvcs_core.moqt.events import (
+    DataStreamEnded,
+    Delivery,
+    ObjectReceived,
+    RangeMarkerReceived,
+    RequestKind,
+)
+from kvcs_core.moqt.output import Output
+from kvcs_core.moqt.requests import RequestRecord
+from kvcs_core.moqt.transport_io import AbortKind, StreamAborted, StreamRef
+from kvcs_core.wire import params as p
+from kvcs_core.wire.codes import GroupOrder, ObjectStatus, PropertyType, StreamResetCode
+from kvcs_core.wire.datagram import ObjectDatagram
+from kvcs_core.wire.fetch import EndOfRangeMarker, FetchHeader, FetchObject
+from kvcs_core.wire.kvp import KeyValuePairs, find_kvp
+from kvcs_core.wire.names import Location
+from kvcs_core.wire.objects import (
+    DataStreamDecoder,
+    DataStreamItem,
+    PaddingStreamHeader,
+    decode_datagram,
+)
+from kvcs_core.wire.subgroup import SubgroupHeader, SubgroupObject
+
+
+@attrs.define(eq=False)
+class _RxStream:
+    decoder: DataStreamDecoder
+    request: RequestRecord | None = None
+    delivery: Delivery = Delivery.SUBSCRIPTION
+    via_request_id: int = -1
+    header: SubgroupHeader | None = None
+    held: list[DataStreamItem] = attrs.field(factory=list)
+    held_bytes: int = 0
+    dropping: bool = False
+    group_id: int | None = None
+    subgroup_id: int | None = None
+    fin: bool = False
+
+
+@attrs.define(eq=False)
+class _SubscriptionRx:
+    request: RequestRecord
+    default_priority: int = 128
+
+
+class DataReceiver:
+    """Decodes our incoming data streams and datagrams into session events."""
+
+    def __init__(
+        self,
+        out: Output,
+        config: SessionConfig,
+        requests: dict[int, RequestRecord],
+        update_owner: dict[int, int],
+    ) -> None:
+        self._out = out
+        self._config = config
+        self._requests = requests
+        self._update_owner = update_owner
+        self.streams: dict[StreamRef, _RxStream] = {}
+        self._by_alias: dict[int, _SubscriptionRx] = {}
+        self._fill_orders: dict[int, GroupOrder] = {}
+        """Request ID naming a fill (SUBSCRIBE or REQUEST_UPDATE) -> the fill's group order."""
+        self._waiting_alias: dict[int, list[StreamRef]] = {}
+
+    # -- hooks from the session ------------------------------------------------------
+
+    def subscription_established(
+        self, rec: RequestRecord, alias: int, track_properties: KeyValuePairs
+    ) -> None:
+        prio = find_kvp(track_properties, PropertyType.DEFAULT_PUBLISHER_PRIORITY)
+        default = prio if isinstance(prio, int) and prio <= 255 else 128
+        self._by_alias[alias] = _SubscriptionRx(rec, default)
+        fill = rec.params.get(p.FillParameters)
+        if fill is not None:
+            self._fill_orders[rec.request_id] = _fill_order(fill, rec.group_order)
+        for ref in self._waiting_alias.pop(alias, []):
+            st = self.streams.get(ref)
+            if st is not None and st.header is not None:
+                held, st.held, st.held_bytes = st.held, [], 0
+                self._bind_subgroup(st, st.header)
+                self._deliver(ref, st, held)
+                if st.fin:
+                    self._ended(ref, st, None)
+
+    def note_update(self, rec: RequestRecord, update_id: int, params: p.Parameters) -> None:
+        fill = params.get(p.FillParameters)
+        if fill is not None:
+            self._fill_orders[update_id] = _fill_order(fill, rec.group_order)
+
+    def fetch_accepted(self, rec: RequestRecord) -> None:
+        """Nothing to do: fetch streams are bound by Request ID as they arrive."""
+
+    def request_finished(self, rec: RequestRecord) -> None:
+        """The request ended: forget its alias and stop its remaining streams."""
+        if rec.track_alias is not None:
+            sub = self._by_alias.get(rec.track_alias)
+            if sub is not None and sub.request is rec:
+                del self._by_alias[rec.track_alias]
+
+    # -- transport input ----------------------------------------------------------------
+
+    def on_new_stream(self, s: StreamRef, data: bytes | memoryview, fin: bool) -> None:
+        if len(self.streams) >= self._config.max_peer_data_streams:
+            self._out.abort(s, AbortKind.STOP_SENDING, StreamResetCode.EXCESSIVE_LOAD)
+            return
+        decoder = DataStreamDecoder(
+            fetch_group_order=self._order_for, max_payload_size=self._config.max_payload_size
+        )
+        self.streams[s] = _RxStream(decoder)
+        self.on_stream_data(s, data, fin)
+
+    def on_stream_data(self, s: StreamRef, data: bytes | memoryview, fin: bool) -> None:
+        st = self.streams.get(s)
+        if st is None:
+            return  # a stream we already stopped: late bytes are dropped
+        items = st.decoder.feed(data) if data else []
+        if fin:
+            st.decoder.close()
+            st.fin = True
+        if st.dropping:
+            if fin:
+                del self.streams[s]
+            return
+        self._deliver(s, st, items)
+        if fin and not st.held and s in self.streams:
+            self._ended(s, st, None)
+
+    def on_stream_aborted(self, event: StreamAborted) -> None:
+        st = self.streams.get(event.stream)
+        if st is None or event.kind is not AbortKind.RESET:
+            return
+        self._ended(event.stream, st, event.code)
+
+    def on_datagram(self, data: bytes | memoryview) -> None:
+        d = decode_datagram(data)
+        if not isinstance(d, ObjectDatagram):
+            return  # padding (d21 section 11.5)
+        sub = self._by_alias.get(d.track_alias)
+        if sub is None:
+            return  # unknown alias on a datagram: drop (d21 section 11.2)
+        rec = sub.request
+        self._out.emit(
+            ObjectReceived(
+                request_id=rec.request_id,
+                delivery=Delivery.SUBSCRIPTION,
+                location=Location(d.group_id, d.object_id),
+                subgroup_id=None,
+                publisher_priority=d.publisher_priority
+                if d.publisher_priority is not None
+                else sub.default_priority,
+                status=d.status if d.status is not None else ObjectStatus.NORMAL,
+                properties=d.properties or (),
+                payload=d.payload,
+                via_request_id=rec.request_id,
+            )
+        )
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _order_for(self, request_id: int) -> GroupOrder:
+        if request_id in self._fill_orders:
+            return self._fill_orders[request_id]
+        rec = self._requests.get(request_id)
+        if rec is not None and rec.mine:
+            if rec.kind is RequestKind.SUBSCRIBE:
+                fill = rec.params.get(p.FillParameters)
+                return _fill_order(fill, rec.group_order) if fill else rec.group_order
+            return rec.group_order
+        return GroupOrder.ASCENDING
+
+    def _bind_fetch(self, st: _RxStream, header: FetchHeader) -> None:
+        rid = header.request_id
+        rec = self._requests.get(rid)
+        if rec is not None and rec.mine and rec.kind is RequestKind.FETCH:
+            st.request, st.delivery = rec, Delivery.FETCH
+        elif rec is not None and rec.mine and rec.kind is RequestKind.SUBSCRIBE:
+            st.request, st.delivery = rec, Delivery.FILL
+        elif rid in self._update_owner or rid in self._fill_orders:
+            owner = self._requests.get(self._update_owner.get(rid, -1))
+            if owner is not None and owner.mine and owner.kind is RequestKind.SUBSCRIBE:
+                st.request, st.delivery = owner, Delivery.FILL
+        st.via_request_id = rid
+        if st.request is None or st.request.finished:
+            st.dropping = True
+
+    def _bind_subgroup(self, st: _RxStream, header: SubgroupHeader) -> None:
+        sub = self._by_alias.get(header.track_alias)
+        st.header = header
+        st.group_id = header.group_id
+        st.subgroup_id = header.subgroup_id
+        if sub is None:
+            return
+        st.request = sub.request
+        st.via_request_id = sub.request.request_id
+        st.delivery = Delivery.SUBSCRIPTION
+
+    def _deliver(self, s: StreamRef, st: _RxStream, items: list[DataStreamItem]) -> None:
+        for item in items:
+            if isinstance(item, SubgroupHeader):
+                self._bind_subgroup(st, item)
+                if st.request is None:
+                    self._waiting_alias.setdefault(item.track_alias, []).append(s)
+                continue
+            if isinstance(item, FetchHeader):
+                self._bind_fetch(st, item)
+                if st.dropping:
+                    self._stop(s, st)
+                    return
+                continue
+            if isinstance(item, PaddingStreamHeader):
+                st.dropping = True
+                continue
+            if st.request is None:
+                st.held.append(item)
+                st.held_bytes += _item_size(item)
+                if st.held_bytes > self._config.max_unknown_alias_bytes:
+                    self._stop(s, st)
+                    return
+                continue
+            if st.request.finished and st.delivery is not Delivery.FETCH:
+                self._stop(s, st)
+                return
+            self._emit_item(st, item)
+
+    def _emit_item(self, st: _RxStream, item: DataStreamItem) -> None:
+        rec = st.request
+        assert rec is not None
+        if isinstance(item, SubgroupObject):
+            header = st.header
+            assert header is not None
+            sub = self._by_alias.get(header.track_alias)
+            default = sub.default_priority if sub is not None else 128
+            if st.subgroup_id is None:  # SUBGROUP_ID_MODE 0b01 (Ambiguity A18)
+                st.subgroup_id = item.object_id
+            self._out.emit(
+                ObjectReceived(
+                    request_id=rec.request_id,
+                    delivery=Delivery.SUBSCRIPTION,
+                    location=Location(header.group_id, item.object_id),
+                    subgroup_id=st.subgroup_id,
+                    publisher_priority=header.publisher_priority
+                    if header.publisher_priority is not None
+                    else default,
+                    status=item.status,
+                    properties=item.properties or (),
+                    payload=item.payload,
+                    via_request_id=rec.request_id,
+                )
+            )
+        elif isinstance(item, FetchObject):
+            self._out.emit(
+                ObjectReceived(
+                    request_id=rec.request_id,
+                    delivery=st.delivery,
+                    location=Location(item.group_id, item.object_id),
+                    subgroup_id=item.subgroup_id,
+                    publisher_priority=item.publisher_priority,
+                    status=ObjectStatus.NORMAL,
+                    properties=item.properties,
+                    payload=item.payload,
+                    via_request_id=st.via_request_id,
+                )
+            )
+        elif isinstance(item, EndOfRangeMarker):
+            self._out.emit(
+                RangeMarkerReceived(
+                    request_id=rec.request_id,
+                    kind=item.kind,
+                    location=item.location,
+                    via_request_id=st.via_request_id,
+                )
+            )
+
+    def _stop(self, s: StreamRef, st: _RxStream) -> None:
+        st.dropping = True
+        st.held.clear()
+        if not st.fin:
+            self._out.abort(s, AbortKind.STOP_SENDING, StreamResetCode.CANCELLED)
+        self.streams.pop(s, None)
+
+    def _ended(self, s: StreamRef, st: _RxStream, reset_code: int | None) -> None:
+        self.streams.pop(s, None)
+        if st.request is None or st.dropping:
+            return
+        self._out.emit(
+            DataStreamEnded(
+                request_id=st.request.request_id,
+                delivery=st.delivery,
+                via_request_id=st.via_request_id,
+                group_id=st.group_id,
+                reset_code=reset_code,
+            )
+        )
+
+
+def _fill_order(fill: p.FillParameters, default: GroupOrder) -> GroupOrder:
+    inner = fill.params.get(p.GroupOrderParam)
+    return inner.order if inner is not None else default
+
+
+def _item_size(item: DataStreamItem) -> int:
+    payload = getattr(item, "payload", None)
+    return 16 + (payload.nbytes if isinstance(payload, memoryview) else 0)

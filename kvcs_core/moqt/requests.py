@@ -1,0 +1,126 @@
+"""Per-request state: one record per bidirectional request stream.
+
+Theory of operation
+-------------------
+Every MOQT request lives on its own bidirectional stream (d21 section 6.4.2):
+the first message is the request (SUBSCRIBE, FETCH, TRACK_STATUS, PUBLISH,
+PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS), then the responder
+answers with exactly one OK or REQUEST_ERROR, then updates and their answers
+(matched by order, wire reference 4.4), notifications, and, for subscriptions,
+PUBLISH_DONE. :class:`RequestRecord` keeps what one side knows about one such
+stream, whichever side opened it; the lifecycle table below is what the session
+enforces:
+
+=============== ======================================================
+state           meaning
+=============== ======================================================
+PENDING         request sent/received, no answer yet
+ESTABLISHED     OK sent/received (subscriptions, namespace requests)
+DONE            finished normally (FETCH complete, PUBLISH_DONE, ...)
+FAILED          REQUEST_ERROR, cancellation or a local failure
+=============== ======================================================
+
+Request IDs (d21 section 6.4.2.1): the client uses even IDs, the server odd
+ones, +2 per request *and per REQUEST_UPDATE*. Wrong parity or reuse closes the
+session with INVALID_REQUEST_ID. IDs arrive out of order, so the set of seen
+IDs is kept as a low watermark plus a set above it (Ambiguity A28).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+import attrs
+
+from kvcs_core.moqt.events import RequestKind
+from kvcs_core.moqt.transport_io import StreamRef
+from kvcs_core.wire.codes import GroupOrder, MessageType
+from kvcs_core.wire.messages import ControlStreamDecoder
+from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
+from kvcs_core.wire.params import Parameters
+
+REQUEST_KIND_OF: dict[MessageType, RequestKind] = {
+    MessageType.SUBSCRIBE: RequestKind.SUBSCRIBE,
+    MessageType.FETCH: RequestKind.FETCH,
+    MessageType.TRACK_STATUS: RequestKind.TRACK_STATUS,
+    MessageType.PUBLISH_NAMESPACE: RequestKind.PUBLISH_NAMESPACE,
+    MessageType.SUBSCRIBE_NAMESPACE: RequestKind.SUBSCRIBE_NAMESPACE,
+    MessageType.SUBSCRIBE_TRACKS: RequestKind.SUBSCRIBE_TRACKS,
+    MessageType.PUBLISH: RequestKind.PUBLISH,
+}
+MESSAGE_OF_KIND: dict[RequestKind, MessageType] = {v: k for k, v in REQUEST_KIND_OF.items()}
+
+
+class RequestState(enum.IntEnum):
+    PENDING = 1
+    ESTABLISHED = 2
+    DONE = 3
+    FAILED = 4
+
+
+@attrs.define(eq=False)
+class RequestRecord:
+    """What this session knows about one request stream."""
+
+    request_id: int
+    kind: RequestKind
+    stream: StreamRef
+    mine: bool
+    """True when this endpoint sent the request."""
+    opened_at: float
+    decoder: ControlStreamDecoder = attrs.field(factory=ControlStreamDecoder)
+    state: RequestState = RequestState.PENDING
+    track: FullTrackName | None = None
+    namespace: TrackNamespace | None = None
+    """PUBLISH_NAMESPACE namespace, or SUBSCRIBE_NAMESPACE prefix (current)."""
+    params: Parameters = attrs.field(factory=Parameters)
+    group_order: GroupOrder = GroupOrder.ASCENDING
+    track_alias: int | None = None
+    largest: Location | None = None
+    pending_updates: deque[int] = attrs.field(factory=deque)
+    """Request IDs of REQUEST_UPDATEs awaiting an answer, in order (answers match by order)."""
+    peer_fin: bool = False
+    local_fin: bool = False
+    goaway_seen: bool = False
+    announced: set[tuple[bytes, ...]] = attrs.field(factory=set)
+    """SUBSCRIBE_NAMESPACE: suffixes announced and not yet withdrawn."""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (RequestState.DONE, RequestState.FAILED)
+
+
+@attrs.define
+class RequestIdTracker:
+    """Validates the peer's Request IDs: parity and no reuse (d21 6.4.2.1, Ambiguity A28).
+
+    IDs below the low watermark are all "seen"; IDs above are kept in a set that
+    the watermark absorbs as it advances, so memory stays proportional to the
+    out-of-order window, not to the session's lifetime.
+    """
+
+    parity: int
+    _watermark: int = 0
+    """Every ID of our parity below this has been seen."""
+    _above: set[int] = attrs.field(factory=set)
+
+    def __attrs_post_init__(self) -> None:
+        self._watermark = self.parity
+
+    def accept(self, request_id: int) -> bool:
+        """Record ``request_id``; False when its parity is wrong or it was used before."""
+        if request_id & 1 != self.parity:
+            return False
+        if request_id < self._watermark or request_id in self._above:
+            return False
+        self._above.add(request_id)
+        while self._watermark in self._above:
+            self._above.discard(self._watermark)
+            self._watermark += 2
+        return True
+
+    @property
+    def window(self) -> int:
+        """IDs held above the watermark (the out-of-order window)."""
+        return len(self._above)

@@ -1,0 +1,1201 @@
+"""``MoqtSession``: the sans-I/O state machine of one MOQT draft-22 session.
+
+Theory of operation
+-------------------
+One session = one QUIC (or WebTransport) connection, either role, publisher and
+subscriber at once (d21 sections 3 and 6). The session consumes
+:mod:`transport_io` events and emits transport commands and session events,
+following the call protocol of :mod:`protocol`; it never performs I/O, reads a
+clock or draws randomness.
+
+Streams (d21 section 6.3, wire reference 3.3):
+
+* each endpoint opens one unidirectional *control stream* whose first bytes are
+  SETUP (type 0x2F00 doubles as the stream type); it later carries only GOAWAY.
+  A second control stream, FIN or reset of it, or anything else on it is a
+  PROTOCOL_VIOLATION (Ambiguity A19);
+* every request travels on its own bidirectional *request stream*
+  (:mod:`requests`); the first message must be a request type, else PV;
+* object data travels on unidirectional *data streams* and datagrams
+  (:mod:`receiving` decodes what we receive, :mod:`publishing` produces what
+  we send).
+
+Request and data streams may arrive before the peer's SETUP; they are buffered
+(bounded by ``SessionConfig.max_pre_setup_bytes``) and replayed once it arrives
+(d21 section 6.3: SHOULD buffer).
+
+Errors follow the three tiers of :mod:`errors`: every input passes one choke
+point, :meth:`_guard`, that turns a :class:`PeerViolation` (or a
+:class:`CodecError` from the wire codec, which carries its session code) into
+``CloseTransport`` + :class:`SessionClosed`. Anything else propagates: it is a
+bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.config import Role, SessionConfig
+from kvcs_core.moqt.errors import LocalProtocolError, PeerViolation
+from kvcs_core.moqt.output import Output
+from kvcs_core.moqt.publishing import Publisher
+from kvcs_core.moqt.receiving import DataReceiver
+from kvcs_core.moqt.requests import (
+    MESSAGE_OF_KIND,
+    REQUEST_KIND_OF,
+    RequestIdTracker,
+    RequestRecord,
+    RequestState,
+)
+from kvcs_core.moqt.timers import Deadlines, TimerKind
+from kvcs_core.moqt.transport_io import (
+    AbortKind,
+    DatagramReceived,
+    SendDatagram,
+    StreamAborted,
+    StreamData,
+    StreamOpened,
+    StreamRef,
+    TransportClosed,
+    TransportCommand,
+    TransportEvent,
+    WriteStream,
+)
+from kvcs_core.wire import messages as m
+from kvcs_core.wire import params as p
+from kvcs_core.wire.codes import (
+    GroupOrder,
+    MessageType,
+    RequestErrorCode,
+    SessionErrorCode,
+    StreamResetCode,
+)
+from kvcs_core.wire.errors import NEED_MORE, CodecError
+from kvcs_core.wire.filters import invalid_filter_reason
+from kvcs_core.wire.names import FullTrackName, TrackNamespace
+from kvcs_core.wire.objects import UniStreamKind, peek_uni_stream_type
+
+if TYPE_CHECKING:
+    from kvcs_core.moqt.track_store import TrackStore
+
+_NAMESPACE_KINDS = (
+    ev.RequestKind.PUBLISH_NAMESPACE,
+    ev.RequestKind.SUBSCRIBE_NAMESPACE,
+    ev.RequestKind.SUBSCRIBE_TRACKS,
+)
+
+
+class MoqtSession:
+    """One MOQT draft-22 session (see the module docstring for the model)."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        self.config = config
+        self._out = Output()
+        self._timers = Deadlines()
+        self._last_now = 0.0
+        self._started = False
+        self._closed = False
+        self._peer_setup: m.Setup | None = None
+        self._control_out: StreamRef | None = None
+        self._control_in: StreamRef | None = None
+        self._control_decoder = m.ControlStreamDecoder()
+        self._uni_pending: dict[StreamRef, bytearray] = {}
+        """Peer uni streams whose type is not known yet (first vi64 incomplete)."""
+        self._pre_setup: list[TransportEvent] = []
+        self._pre_setup_bytes = 0
+        self._next_request_id = 0 if config.role is Role.CLIENT else 1
+        self._peer_ids = RequestIdTracker(parity=1 if config.role is Role.CLIENT else 0)
+        self.requests: dict[int, RequestRecord] = {}
+        """Every request of this session, ours and the peer's, by Request ID."""
+        self._by_stream: dict[StreamRef, RequestRecord] = {}
+        self._update_owner: dict[int, int] = {}
+        """REQUEST_UPDATE Request ID -> the request it updates (both directions)."""
+        self._goaway_sent = False
+        self._goaway_received = False
+        self._peer_uni: set[StreamRef] = set()
+        """Every unidirectional stream the peer opened (control and data)."""
+        self._partial_requests: dict[StreamRef, m.ControlStreamDecoder] = {}
+        """Peer bidi streams whose first message is still incomplete."""
+        self.publisher = Publisher(self._out, config)
+        self.receiver = DataReceiver(self._out, config, self.requests, self._update_owner)
+
+    # ------------------------------------------------------------------ getters
+
+    @property
+    def role(self) -> Role:
+        return self.config.role
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
+    def setup_complete(self) -> bool:
+        return self._peer_setup is not None and self._started
+
+    @property
+    def peer_setup(self) -> m.Setup | None:
+        return self._peer_setup
+
+    @property
+    def peer_max_filter_ranges(self) -> int:
+        return (self._peer_setup.max_filter_ranges or 0) if self._peer_setup else 0
+
+    @property
+    def peer_max_request_updates(self) -> int:
+        return (self._peer_setup.max_request_updates or 0) if self._peer_setup else 0
+
+    # ------------------------------------------------------------------ outputs
+
+    def next_command(self) -> TransportCommand | None:
+        return self._out.commands.popleft() if self._out.commands else None
+
+    def next_event(self) -> ev.SessionEvent | None:
+        return self._out.events.popleft() if self._out.events else None
+
+    def get_timer(self) -> float | None:
+        if self._closed:
+            return None
+        return self._timers.earliest()
+
+    def poll_data(self, max_bytes: int) -> WriteStream | SendDatagram | None:
+        """The next object data to send, at most ``max_bytes`` of it (pull-based, R9)."""
+        if self._closed or not self.setup_complete:
+            return None
+        return self.publisher.poll_data(max_bytes, self._last_now)
+
+    # ------------------------------------------------------------------ inputs
+
+    def handle_transport_event(self, event: TransportEvent, now: float) -> None:
+        """Feed one transport event. Never raises because of peer input."""
+        self._advance(now)
+        if self._closed:
+            return
+        self._guard(lambda: self._dispatch(event, now), now)
+
+    def handle_timer(self, now: float) -> None:
+        """Fire every deadline due at ``now``; early or repeated calls do nothing."""
+        self._advance(now)
+        if self._closed:
+            return
+        self._guard(lambda: self._fire_timers(now), now)
+
+    def _advance(self, now: float) -> None:
+        if now < self._last_now:
+            raise LocalProtocolError(f"time went backwards: {now} < {self._last_now}")
+        self._last_now = now
+
+    def _guard(self, action: Callable[[], None], now: float) -> None:
+        try:
+            action()
+        except PeerViolation as v:
+            self._close(v.code, v.reason, ev.Initiator.LOCAL)
+        except CodecError as e:
+            self._close(e.code, str(e), ev.Initiator.LOCAL)
+
+    # ------------------------------------------------------------------ commands
+
+    def start(self, *, now: float) -> None:
+        """Open our control stream and send SETUP (d21 section 9.1)."""
+        self._advance(now)
+        self._check_open()
+        if self._started:
+            raise LocalProtocolError("session already started")
+        self._started = True
+        cfg = self.config
+        client = cfg.role is Role.CLIENT
+        setup = m.Setup(
+            path=cfg.path if client else None,
+            authority=cfg.authority if client else None,
+            max_filter_ranges=cfg.max_filter_ranges,
+            max_request_updates=cfg.max_request_updates,
+            max_auth_token_cache_size=cfg.max_auth_token_cache_size or None,
+            moqt_implementation=cfg.implementation,
+        )
+        self._control_out = self._out.open_stream(uni=True, priority=0)
+        self._out.send(self._control_out, setup)
+        if self._peer_setup is None:
+            self._timers.set(TimerKind.SETUP, now + cfg.setup_timeout)
+        else:
+            self._setup_done()
+
+    def subscribe(
+        self,
+        track: FullTrackName,
+        *,
+        now: float,
+        location_filter: p.LocationFilter | None = None,
+        fill: p.Parameters | None = None,
+        forward: bool = True,
+        priority: int = 128,
+        group_order: GroupOrder = GroupOrder.ASCENDING,
+        range_filters: Iterable[p.Parameter] = (),
+        extra: Iterable[p.Parameter] = (),
+    ) -> int:
+        """SUBSCRIBE (d21 section 9.6). ``fill``: inner FILL_PARAMETERS (requests a fill).
+
+        GROUP_ORDER is always sent explicitly (Ambiguity A6).
+        """
+        items: list[p.Parameter] = [
+            p.SubscriberPriority(priority),
+            p.GroupOrderParam(group_order),
+            *range_filters,
+            *extra,
+        ]
+        if location_filter is not None:
+            items.append(location_filter)
+        if fill is not None:
+            items.append(p.FillParameters(fill))
+        if not forward:
+            items.append(p.Forward(0))
+        params = p.Parameters(items)
+        self._check_range_filter_budget(params)
+        return self._send_request(
+            ev.RequestKind.SUBSCRIBE,
+            lambda rid: m.Subscribe(rid, track.namespace, track.name, params),
+            now,
+            track=track,
+            params=params,
+            group_order=group_order,
+        )
+
+    def fetch(
+        self,
+        track: FullTrackName,
+        *,
+        now: float,
+        location_filter: p.LocationFilter | None = None,
+        group_order: GroupOrder = GroupOrder.ASCENDING,
+        priority: int = 128,
+        range_filters: Iterable[p.Parameter] = (),
+    ) -> int:
+        """FETCH (d21 section 9.11) of ``location_filter``'s range (absent: the whole track)."""
+        items: list[p.Parameter] = [
+            p.SubscriberPriority(priority),
+            p.GroupOrderParam(group_order),
+            *range_filters,
+        ]
+        if location_filter is not None:
+            items.append(location_filter)
+        params = p.Parameters(items)
+        self._check_range_filter_budget(params)
+        return self._send_request(
+            ev.RequestKind.FETCH,
+            lambda rid: m.Fetch(rid, track.namespace, track.name, params),
+            now,
+            track=track,
+            params=params,
+            group_order=group_order,
+        )
+
+    def track_status(self, track: FullTrackName, *, now: float) -> int:
+        """TRACK_STATUS (d21 section 9.13): LARGEST_OBJECT and Track Properties, no objects."""
+        return self._send_request(
+            ev.RequestKind.TRACK_STATUS,
+            lambda rid: m.TrackStatus(rid, track.namespace, track.name, p.Parameters()),
+            now,
+            track=track,
+        )
+
+    def publish_namespace(self, namespace: TrackNamespace, *, now: float) -> int:
+        """PUBLISH_NAMESPACE (d21 section 9.14): we can serve tracks under ``namespace``."""
+        return self._send_request(
+            ev.RequestKind.PUBLISH_NAMESPACE,
+            lambda rid: m.PublishNamespace(rid, namespace, p.Parameters()),
+            now,
+            namespace=namespace,
+        )
+
+    def subscribe_namespace(self, prefix: TrackNamespace, *, now: float) -> int:
+        """SUBSCRIBE_NAMESPACE (d21 section 9.15): learn namespaces under ``prefix``."""
+        return self._send_request(
+            ev.RequestKind.SUBSCRIBE_NAMESPACE,
+            lambda rid: m.SubscribeNamespace(rid, prefix, p.Parameters()),
+            now,
+            namespace=prefix,
+        )
+
+    def request_update(self, request_id: int, params: p.Parameters, *, now: float) -> int:
+        """REQUEST_UPDATE on one of our requests (d21 section 9.5); returns its own Request ID."""
+        self._advance(now)
+        self._check_ready()
+        rec = self._mine(request_id)
+        if rec.finished:
+            raise LocalProtocolError(f"request {request_id} is finished")
+        update_id = self._take_request_id()
+        msg = m.RequestUpdate(update_id, params)
+        m.check_request_update(msg, MESSAGE_OF_KIND[rec.kind])  # raises CodecError on misuse
+        limit = self.peer_max_request_updates
+        if limit and len(rec.pending_updates) >= limit:
+            raise LocalProtocolError(f"peer accepts at most {limit} unanswered updates")
+        rec.pending_updates.append(update_id)
+        self._update_owner[update_id] = request_id
+        self._out.send(rec.stream, msg)
+        if rec.kind is ev.RequestKind.SUBSCRIBE:
+            self.receiver.note_update(rec, update_id, params)
+        return update_id
+
+    def cancel(self, request_id: int, *, now: float) -> None:
+        """Cancel one of our requests: reset our half, STOP_SENDING theirs (d21 6.4.2.3)."""
+        self._advance(now)
+        self._check_open()
+        rec = self._mine(request_id)
+        if rec.finished:
+            return
+        self._abort_request_stream(rec, StreamResetCode.CANCELLED)
+        rec.state = RequestState.FAILED
+        self._timers.cancel_request(request_id)
+        self.receiver.request_finished(rec)
+
+    def goaway(self, new_session_uri: bytes = b"", timeout_ms: int = 0, *, now: float) -> None:
+        """GOAWAY on the control stream (d21 section 9.2); clients must send an empty URI."""
+        self._advance(now)
+        self._check_ready()
+        if self._goaway_sent:
+            raise LocalProtocolError("GOAWAY already sent")
+        if new_session_uri and self.config.role is Role.CLIENT:
+            raise LocalProtocolError("a client's GOAWAY carries no URI")
+        assert self._control_out is not None
+        self._goaway_sent = True
+        self._out.send(self._control_out, m.Goaway(new_session_uri, timeout_ms))
+        if timeout_ms:
+            self._timers.set(TimerKind.GOAWAY, now + timeout_ms / 1000)
+
+    def close(self, code: int = SessionErrorCode.NO_ERROR, reason: str = "", *, now: float) -> None:
+        """Close the session with a session error code (d21 section 12.2)."""
+        self._advance(now)
+        if self._closed:
+            return
+        self._close(code, reason, ev.Initiator.LOCAL)
+
+    # -- answering the peer's requests
+
+    def accept_subscribe(
+        self,
+        request_id: int,
+        store: TrackStore,
+        *,
+        now: float,
+        track_alias: int | None = None,
+        expires_ms: int | None = None,
+    ) -> None:
+        """SUBSCRIBE_OK from ``store``; live objects and any fill follow (d21 3.1, 3.4)."""
+        self._advance(now)
+        rec = self._peer_pending(request_id, ev.RequestKind.SUBSCRIBE)
+        rec.state = RequestState.ESTABLISHED
+        self.publisher.accept_subscribe(rec, store, now, track_alias, expires_ms)
+
+    def accept_fetch(self, request_id: int, store: TrackStore, *, now: float) -> None:
+        """Serve a FETCH from ``store``: FETCH_OK, then the objects on a fetch stream."""
+        self._advance(now)
+        rec = self._peer_pending(request_id, ev.RequestKind.FETCH)
+        if self.publisher.accept_fetch(rec, store, now):
+            rec.state = RequestState.ESTABLISHED
+        else:
+            rec.state = RequestState.FAILED
+
+    def accept_track_status(self, request_id: int, store: TrackStore, *, now: float) -> None:
+        """TRACK_STATUS_OK with LARGEST_OBJECT and Track Properties, then FIN (d21 9.13)."""
+        self._advance(now)
+        rec = self._peer_pending(request_id, ev.RequestKind.TRACK_STATUS)
+        items: list[p.Parameter] = []
+        if store.largest is not None:
+            items.append(p.LargestObject(store.largest))
+        # Ambiguity A8: never send EXPIRES in TRACK_STATUS_OK.
+        self._out.send(
+            rec.stream, m.RequestOk(p.Parameters(items), store.track_properties), fin=True
+        )
+        rec.local_fin = True
+        rec.state = RequestState.DONE
+
+    def accept_request(
+        self, request_id: int, *, now: float, params: Iterable[p.Parameter] = ()
+    ) -> None:
+        """REQUEST_OK for a namespace request (PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, ...)."""
+        self._advance(now)
+        rec = self._peer_pending(request_id)
+        if rec.kind not in _NAMESPACE_KINDS:
+            raise LocalProtocolError(f"use the dedicated accept_* for {rec.kind.name}")
+        msg = m.RequestOk(p.Parameters(params))
+        m.check_request_ok(msg, MESSAGE_OF_KIND[rec.kind])
+        self._out.send(rec.stream, msg)
+        rec.state = RequestState.ESTABLISHED
+
+    def reject_request(
+        self,
+        request_id: int,
+        code: RequestErrorCode,
+        reason: str = "",
+        *,
+        now: float,
+        retry_interval_ms: int = 0,
+    ) -> None:
+        """REQUEST_ERROR, then FIN (d21 sections 9.4 and 6.4.2.2)."""
+        self._advance(now)
+        rec = self._peer_pending(request_id)
+        self._refuse(rec, code, reason, retry_interval_ms)
+
+    def send_namespace(self, request_id: int, suffix: TrackNamespace, *, now: float) -> None:
+        """NAMESPACE on an accepted SUBSCRIBE_NAMESPACE (d21 section 9.16)."""
+        self._advance(now)
+        rec = self._peer_established(request_id, ev.RequestKind.SUBSCRIBE_NAMESPACE)
+        rec.announced.add(suffix.fields)
+        self._out.send(rec.stream, m.Namespace(suffix))
+
+    def send_namespace_done(self, request_id: int, suffix: TrackNamespace, *, now: float) -> None:
+        """NAMESPACE_DONE for a suffix announced earlier (d21 section 9.17)."""
+        self._advance(now)
+        rec = self._peer_established(request_id, ev.RequestKind.SUBSCRIBE_NAMESPACE)
+        if suffix.fields not in rec.announced:
+            raise LocalProtocolError("NAMESPACE_DONE for a namespace never announced")
+        rec.announced.discard(suffix.fields)
+        self._out.send(rec.stream, m.NamespaceDone(suffix))
+
+    def end_subscription(
+        self, request_id: int, status: int, reason: str = "", *, now: float
+    ) -> None:
+        """End a subscription we serve: close its streams, PUBLISH_DONE, FIN (d21 9.9)."""
+        self._advance(now)
+        rec = self._peer_established(request_id, ev.RequestKind.SUBSCRIBE)
+        self.publisher.end_subscription(rec, status, reason)
+        rec.state = RequestState.DONE
+
+    # ------------------------------------------------------------------ internals: requests
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LocalProtocolError("session is closed")
+
+    def _check_ready(self) -> None:
+        self._check_open()
+        if not self._started:
+            raise LocalProtocolError("call start() first")
+
+    def _check_range_filter_budget(self, params: p.Parameters) -> None:
+        ranges = sum(len(f.ranges) for f in params if isinstance(f, p.RangeFilter)) + sum(
+            len(f.ranges)
+            for fp in params.all(p.FillParameters)
+            for f in fp.params
+            if isinstance(f, p.RangeFilter)
+        )
+        if ranges and self.setup_complete and ranges > self.peer_max_filter_ranges:
+            raise LocalProtocolError(
+                f"{ranges} filter ranges exceed the peer's MAX_FILTER_RANGES "
+                f"({self.peer_max_filter_ranges})"
+            )
+
+    def _take_request_id(self) -> int:
+        rid = self._next_request_id
+        self._next_request_id += 2
+        return rid
+
+    def _send_request(
+        self,
+        kind: ev.RequestKind,
+        build: Callable[[int], m.ControlMessageBase],
+        now: float,
+        *,
+        track: FullTrackName | None = None,
+        namespace: TrackNamespace | None = None,
+        params: p.Parameters | None = None,
+        group_order: GroupOrder = GroupOrder.ASCENDING,
+    ) -> int:
+        self._advance(now)
+        self._check_ready()
+        if self._goaway_received:
+            raise LocalProtocolError("the peer sent GOAWAY: start no new requests")
+        rid = self._take_request_id()
+        msg = build(rid)
+        stream = self._out.open_stream(uni=False, priority=0)
+        rec = RequestRecord(
+            request_id=rid,
+            kind=kind,
+            stream=stream,
+            mine=True,
+            opened_at=now,
+            track=track,
+            namespace=namespace,
+            params=params or p.Parameters(),
+            group_order=group_order,
+        )
+        self.requests[rid] = rec
+        self._by_stream[stream] = rec
+        self._out.send(stream, msg)
+        self._timers.set_request(rid, now + self.config.request_timeout)
+        return rid
+
+    def _mine(self, request_id: int) -> RequestRecord:
+        rec = self.requests.get(request_id)
+        if rec is None or not rec.mine:
+            raise LocalProtocolError(f"no request {request_id} of ours")
+        return rec
+
+    def _peer_pending(self, request_id: int, kind: ev.RequestKind | None = None) -> RequestRecord:
+        self._check_ready()
+        rec = self.requests.get(request_id)
+        if rec is None or rec.mine:
+            raise LocalProtocolError(f"no request {request_id} from the peer")
+        if kind is not None and rec.kind is not kind:
+            raise LocalProtocolError(f"request {request_id} is a {rec.kind.name}")
+        if rec.state is not RequestState.PENDING:
+            raise LocalProtocolError(f"request {request_id} was already answered")
+        return rec
+
+    def _peer_established(self, request_id: int, kind: ev.RequestKind) -> RequestRecord:
+        self._check_ready()
+        rec = self.requests.get(request_id)
+        if rec is None or rec.mine or rec.kind is not kind:
+            raise LocalProtocolError(f"no {kind.name} {request_id} from the peer")
+        if rec.state is not RequestState.ESTABLISHED:
+            raise LocalProtocolError(f"request {request_id} is not established")
+        return rec
+
+    def _refuse(
+        self, rec: RequestRecord, code: int, reason: str, retry_interval_ms: int = 0
+    ) -> None:
+        self._out.send(
+            rec.stream,
+            m.RequestError(code, retry_interval_ms, reason.encode()[:1024]),
+            fin=True,
+        )
+        rec.local_fin = True
+        rec.state = RequestState.FAILED
+
+    def _abort_request_stream(self, rec: RequestRecord, code: int) -> None:
+        if not rec.local_fin:
+            self._out.abort(rec.stream, AbortKind.RESET, code)
+            rec.local_fin = True
+        if not rec.peer_fin:
+            self._out.abort(rec.stream, AbortKind.STOP_SENDING, code)
+
+    # ------------------------------------------------------------------ internals: dispatch
+
+    def _dispatch(self, event: TransportEvent, now: float) -> None:
+        if isinstance(event, TransportClosed):
+            self._closed = True
+            self._timers.clear()
+            initiator = ev.Initiator.PEER if event.by_peer else ev.Initiator.TRANSPORT
+            self._out.emit(
+                ev.SessionClosed(code=event.code, reason=event.reason, initiator=initiator)
+            )
+            return
+        if self._peer_setup is None and not self._is_control_event(event):
+            self._buffer_pre_setup(event)
+            return
+        if isinstance(event, StreamOpened):
+            self._on_stream_opened(event)
+        elif isinstance(event, StreamData):
+            self._on_stream_data(event, now)
+        elif isinstance(event, StreamAborted):
+            self._on_stream_aborted(event, now)
+        elif isinstance(event, DatagramReceived):
+            self.receiver.on_datagram(event.data)
+
+    def _is_control_event(self, event: TransportEvent) -> bool:
+        """Before SETUP only the peer's control stream is processed; the rest waits."""
+        if isinstance(event, StreamOpened):
+            return event.uni  # classify uni streams by their first bytes
+        if isinstance(event, StreamData | StreamAborted):
+            s = event.stream
+            if s == self._control_in or s in self._uni_pending:
+                return True
+            return s.local and s == self._control_out
+        return False
+
+    def _buffer_pre_setup(self, event: TransportEvent) -> None:
+        if isinstance(event, StreamData):
+            self._pre_setup_bytes += len(event.data)
+            if self._pre_setup_bytes > self.config.max_pre_setup_bytes:
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION,
+                    "too much data before SETUP",
+                )
+            event = StreamData(stream=event.stream, data=bytes(event.data), fin=event.fin)
+        self._pre_setup.append(event)
+
+    def _on_stream_opened(self, event: StreamOpened) -> None:
+        if event.uni:
+            self._peer_uni.add(event.stream)
+            self._uni_pending[event.stream] = bytearray()
+        # a peer bidi stream becomes a request when its first message arrives
+
+    def _on_stream_data(self, event: StreamData, now: float) -> None:
+        s = event.stream
+        if s in self._uni_pending:
+            self._classify_uni(s, event, now)
+        elif s == self._control_in:
+            self._on_control_bytes(event.data, event.fin, now)
+        elif s in self._by_stream:
+            self._on_request_bytes(self._by_stream[s], event.data, event.fin, now)
+        elif s in self._partial_requests:
+            decoder = self._partial_requests[s]
+            msgs = decoder.feed(event.data)
+            if msgs:
+                del self._partial_requests[s]
+                self._open_peer_request(s, decoder, msgs, event.fin, now)
+            elif event.fin:
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION, "request stream ended early"
+                )
+        elif s in self._peer_uni:
+            self.receiver.on_stream_data(s, event.data, event.fin)
+        elif not s.local:
+            self._new_peer_request_stream(s, event, now)
+
+    def _classify_uni(self, s: StreamRef, event: StreamData, now: float) -> None:
+        buf = self._uni_pending[s]
+        buf += event.data
+        kind = peek_uni_stream_type(buf)
+        if kind is NEED_MORE:
+            if event.fin:
+                del self._uni_pending[s]  # an empty or truncated stream: nothing to do
+                if buf:
+                    raise PeerViolation(
+                        SessionErrorCode.PROTOCOL_VIOLATION, "truncated stream type"
+                    )
+            return
+        del self._uni_pending[s]
+        data = bytes(buf)
+        if kind is UniStreamKind.CONTROL:
+            if self._control_in is not None:
+                raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second control stream")
+            self._control_in = s
+            self._on_control_bytes(data, event.fin, now)
+            return
+        if self._peer_setup is None:
+            # data stream before SETUP: keep it for replay (d21 section 6.3)
+            self._buffer_pre_setup(StreamOpened(stream=s, uni=True))
+            self._buffer_pre_setup(StreamData(stream=s, data=data, fin=event.fin))
+            return
+        self.receiver.on_new_stream(s, data, event.fin)
+
+    # -- control stream
+
+    def _on_control_bytes(self, data: bytes | memoryview, fin: bool, now: float) -> None:
+        for msg in self._control_decoder.feed(data):
+            self._on_control_message(msg, now)
+        if fin:
+            raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "control stream closed")
+
+    def _on_control_message(self, msg: m.ControlMessage, now: float) -> None:
+        if self._peer_setup is None:
+            if not isinstance(msg, m.Setup):
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION, "first control message is not SETUP"
+                )
+            self._on_setup(msg)
+            return
+        if isinstance(msg, m.Goaway):
+            if self._goaway_received:
+                raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second GOAWAY")
+            if msg.new_session_uri and self.config.role is Role.SERVER:
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION, "a client's GOAWAY carried a URI"
+                )
+            self._goaway_received = True
+            self._out.emit(
+                ev.GoawayReceived(new_session_uri=msg.new_session_uri, timeout_ms=msg.timeout_ms)
+            )
+            return
+        raise PeerViolation(
+            SessionErrorCode.PROTOCOL_VIOLATION,
+            f"{msg.TYPE.name} is not allowed on the control stream",
+        )
+
+    def _on_setup(self, setup: m.Setup) -> None:
+        if self.config.role is Role.CLIENT and setup.path is not None:
+            raise PeerViolation(SessionErrorCode.INVALID_PATH, "PATH from a server")
+        if self.config.role is Role.CLIENT and setup.authority is not None:
+            raise PeerViolation(SessionErrorCode.INVALID_AUTHORITY, "AUTHORITY from a server")
+        self._peer_setup = setup
+        if self._started:
+            self._setup_done()
+
+    def _setup_done(self) -> None:
+        assert self._peer_setup is not None
+        self._timers.cancel(TimerKind.SETUP)
+        setup = self._peer_setup
+        self._out.emit(
+            ev.SetupCompleted(
+                peer_implementation=setup.moqt_implementation,
+                peer_max_filter_ranges=setup.max_filter_ranges or 0,
+                peer_max_request_updates=setup.max_request_updates or 0,
+            )
+        )
+        pending, self._pre_setup = self._pre_setup, []
+        self._pre_setup_bytes = 0
+        for event in pending:
+            self._dispatch(event, self._last_now)
+
+    # -- request streams
+
+    def _new_peer_request_stream(self, s: StreamRef, event: StreamData, now: float) -> None:
+        decoder = m.ControlStreamDecoder()
+        msgs = decoder.feed(event.data)
+        if not msgs:
+            if event.fin:
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION, "request stream ended early"
+                )
+            # keep the partial first message under a placeholder record-less decoder
+            self._partial_requests[s] = decoder
+            return
+        self._open_peer_request(s, decoder, msgs, event.fin, now)
+
+    def _open_peer_request(
+        self,
+        s: StreamRef,
+        decoder: m.ControlStreamDecoder,
+        msgs: list[m.ControlMessage],
+        fin: bool,
+        now: float,
+    ) -> None:
+        first = msgs[0]
+        kind = REQUEST_KIND_OF.get(first.TYPE)
+        if kind is None:
+            raise PeerViolation(
+                SessionErrorCode.PROTOCOL_VIOLATION,
+                f"{first.TYPE.name} cannot open a request stream",
+            )
+        rid: int = getattr(first, "request_id")  # noqa: B009 - every request type has one
+        if not self._peer_ids.accept(rid):
+            raise PeerViolation(SessionErrorCode.INVALID_REQUEST_ID, f"bad Request ID {rid}")
+        rec = RequestRecord(
+            request_id=rid, kind=kind, stream=s, mine=False, opened_at=now, decoder=decoder
+        )
+        self.requests[rid] = rec
+        self._by_stream[s] = rec
+        self._on_peer_request(rec, first, now)
+        for msg in msgs[1:]:
+            self._on_requester_message(rec, msg, now)
+        if fin:
+            rec.peer_fin = True
+
+    def _on_request_bytes(
+        self, rec: RequestRecord, data: bytes | memoryview, fin: bool, now: float
+    ) -> None:
+        for msg in rec.decoder.feed(data):
+            if rec.mine:
+                self._on_responder_message(rec, msg, now)
+            else:
+                self._on_requester_message(rec, msg, now)
+        if fin:
+            rec.decoder.close()  # FIN mid-message: PV (Ambiguity A19)
+            rec.peer_fin = True
+            if rec.mine:
+                self._on_response_fin(rec)
+
+    def _on_peer_request(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
+        """The first message of a peer's request stream."""
+        live = sum(1 for r in self.requests.values() if not r.mine and not r.finished)
+        if live > self.config.max_concurrent_peer_requests:
+            self._refuse(
+                rec,
+                RequestErrorCode.EXCESSIVE_LOAD,
+                "too many requests",
+                self.config.retry_interval_ms + 1,
+            )
+            return
+        if self._goaway_sent:
+            self._refuse(rec, RequestErrorCode.GOING_AWAY, "going away")
+            return
+        if isinstance(msg, m.Subscribe | m.Fetch | m.TrackStatus):
+            rec.track = msg.track
+            rec.params = msg.params
+            order = msg.params.get(p.GroupOrderParam)
+            rec.group_order = order.order if order else GroupOrder.ASCENDING
+            bad = self._bad_filters(msg.params)
+            if bad is not None:
+                self._refuse(rec, RequestErrorCode.INVALID_FILTER, bad)
+                return
+            if isinstance(msg, m.Subscribe):
+                self._out.emit(
+                    ev.SubscribeRequested(
+                        request_id=rec.request_id, track=msg.track, params=msg.params
+                    )
+                )
+            elif isinstance(msg, m.Fetch):
+                self._out.emit(
+                    ev.FetchRequested(request_id=rec.request_id, track=msg.track, params=msg.params)
+                )
+            else:
+                self._out.emit(
+                    ev.TrackStatusRequested(
+                        request_id=rec.request_id, track=msg.track, params=msg.params
+                    )
+                )
+        elif isinstance(msg, m.PublishNamespace):
+            rec.namespace = msg.namespace
+            rec.params = msg.params
+            self._out.emit(
+                ev.PublishNamespaceRequested(
+                    request_id=rec.request_id, namespace=msg.namespace, params=msg.params
+                )
+            )
+        elif isinstance(msg, m.SubscribeNamespace):
+            rec.namespace = msg.prefix
+            rec.params = msg.params
+            overlap = self._prefix_overlap(rec)
+            if overlap:
+                self._refuse(rec, RequestErrorCode.PREFIX_OVERLAP, "prefix overlaps another")
+                return
+            self._out.emit(
+                ev.SubscribeNamespaceRequested(
+                    request_id=rec.request_id, prefix=msg.prefix, params=msg.params
+                )
+            )
+        else:
+            # PUBLISH and SUBSCRIBE_TRACKS are answered NOT_SUPPORTED by this session for
+            # now (d21 section 12.3: limited endpoints SHOULD answer, not ignore).
+            self._refuse(rec, RequestErrorCode.NOT_SUPPORTED, f"{msg.TYPE.name} not supported")
+
+    def _bad_filters(self, params: p.Parameters) -> str | None:
+        """REQUEST_ERROR INVALID_FILTER reasons (d21 3.3.2; wire reference 5.5)."""
+        reason = invalid_filter_reason(list(params))
+        if reason is not None:
+            return reason
+        ranges = sum(len(f.ranges) for f in params if isinstance(f, p.RangeFilter))
+        for fp in params.all(p.FillParameters):
+            inner = invalid_filter_reason(list(fp.params))
+            if inner is not None:
+                return inner
+            ranges += sum(len(f.ranges) for f in fp.params if isinstance(f, p.RangeFilter))
+        if ranges > self.config.max_filter_ranges:
+            return f"{ranges} ranges exceed MAX_FILTER_RANGES {self.config.max_filter_ranges}"
+        has_filter = any(isinstance(f, p.RangeFilter) for f in params)
+        if has_filter and self.config.max_filter_ranges == 0:
+            return "range filters were not allowed (MAX_FILTER_RANGES 0)"
+        return None
+
+    def _prefix_overlap(self, rec: RequestRecord) -> bool:
+        """Ambiguity A21: overlap iff one prefix is a field-wise prefix of the other."""
+        assert rec.namespace is not None
+        for other in self.requests.values():
+            if (
+                other is rec
+                or other.mine
+                or other.kind is not rec.kind
+                or other.state is not RequestState.ESTABLISHED
+                or other.namespace is None
+            ):
+                continue
+            if other.namespace.is_prefix_of(rec.namespace) or rec.namespace.is_prefix_of(
+                other.namespace
+            ):
+                return True
+        return False
+
+    def _on_requester_message(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
+        """A later message from the peer on a request stream it opened."""
+        if isinstance(msg, m.RequestUpdate):
+            m.check_request_update(msg, MESSAGE_OF_KIND[rec.kind])
+            if not self._peer_ids.accept(msg.request_id):
+                raise PeerViolation(
+                    SessionErrorCode.INVALID_REQUEST_ID, f"bad Request ID {msg.request_id}"
+                )
+            rec.pending_updates.append(msg.request_id)
+            limit = self.config.max_request_updates
+            if limit and len(rec.pending_updates) > limit:
+                raise PeerViolation(
+                    SessionErrorCode.TOO_MANY_REQUEST_UPDATES, "too many REQUEST_UPDATEs"
+                )
+            self._update_owner[msg.request_id] = rec.request_id
+            self._on_peer_update(rec, msg, now)
+        elif isinstance(msg, m.Goaway):
+            if rec.goaway_seen:
+                raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second GOAWAY on stream")
+            rec.goaway_seen = True  # Ambiguity A22: accepted from either side
+            self._out.emit(
+                ev.GoawayReceived(
+                    new_session_uri=msg.new_session_uri,
+                    timeout_ms=msg.timeout_ms,
+                    request_id=rec.request_id,
+                )
+            )
+        else:
+            raise PeerViolation(
+                SessionErrorCode.PROTOCOL_VIOLATION,
+                f"{msg.TYPE.name} from the requester of a {rec.kind.name}",
+            )
+
+    def _on_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate, now: float) -> None:
+        update_id = rec.pending_updates.popleft()
+        if rec.state is not RequestState.ESTABLISHED and rec.kind is not ev.RequestKind.FETCH:
+            # Updates are applied to established requests only; one that overtakes the
+            # answer to its request is refused (the request itself is unaffected).
+            self._out.send(
+                rec.stream,
+                m.RequestError(
+                    RequestErrorCode.NOT_SUPPORTED, 0, b"update before the request was answered"
+                ),
+            )
+            return
+        if rec.kind is ev.RequestKind.SUBSCRIBE:
+            bad = self._bad_filters(msg.params)
+            if bad is not None:
+                self._out.send(
+                    rec.stream,
+                    m.RequestError(RequestErrorCode.INVALID_FILTER, 0, bad.encode()[:1024]),
+                )
+                # d21 9.5.1: a failed update ends the subscription (PUBLISH_DONE UPDATE_FAILED)
+                self.publisher.end_subscription(rec, 0x8, "update failed")
+                rec.state = RequestState.DONE
+                return
+            self.publisher.update_subscription(rec, update_id, msg.params, now)
+        elif (prefix := msg.params.get(p.TrackNamespacePrefix)) is not None:
+            old = rec.namespace
+            rec.namespace = prefix.namespace
+            if self._prefix_overlap(rec):
+                rec.namespace = old
+                self._out.send(
+                    rec.stream,
+                    m.RequestError(RequestErrorCode.PREFIX_OVERLAP, 0, b"prefix overlaps another"),
+                )
+                return
+            self._out.send(rec.stream, m.RequestOk(p.Parameters()))
+        else:
+            self._out.send(rec.stream, m.RequestOk(p.Parameters()))
+        self._out.emit(
+            ev.RequestUpdated(request_id=rec.request_id, update_id=update_id, params=msg.params)
+        )
+
+    def _on_responder_message(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
+        """A message from the peer on a request stream we opened."""
+        if isinstance(msg, m.Goaway):
+            if rec.goaway_seen:
+                raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second GOAWAY on stream")
+            rec.goaway_seen = True
+            self._out.emit(
+                ev.GoawayReceived(
+                    new_session_uri=msg.new_session_uri,
+                    timeout_ms=msg.timeout_ms,
+                    request_id=rec.request_id,
+                )
+            )
+            return
+        if rec.state is RequestState.PENDING:
+            self._on_first_answer(rec, msg)
+            return
+        if isinstance(msg, m.RequestOk | m.RequestError):
+            if not rec.pending_updates:
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION, f"unsolicited {msg.TYPE.name}"
+                )
+            update_id = rec.pending_updates.popleft()
+            self._update_owner.pop(update_id, None)
+            if isinstance(msg, m.RequestOk):
+                m.check_request_ok(msg, MessageType.REQUEST_UPDATE)
+                largest = msg.params.get(p.LargestObject)
+                if largest is not None:
+                    rec.largest = largest.location
+                self._out.emit(
+                    ev.RequestAccepted(
+                        request_id=rec.request_id,
+                        kind=rec.kind,
+                        params=msg.params,
+                        update_id=update_id,
+                    )
+                )
+            else:
+                self._out.emit(self._failed(rec.request_id, msg, update_id))
+            return
+        if rec.kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.PublishDone):
+            rec.state = RequestState.DONE
+            self._out.emit(
+                ev.PublishDoneReceived(
+                    request_id=rec.request_id,
+                    status=int(msg.status_code),
+                    stream_count=msg.stream_count,
+                    reason=msg.reason.decode("utf-8", "replace"),
+                )
+            )
+            self.receiver.request_finished(rec)
+            return
+        if rec.kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.PublishStateNotify):
+            largest = msg.params.get(p.LargestObject)
+            if largest is not None:
+                rec.largest = largest.location
+            return
+        if rec.kind is ev.RequestKind.SUBSCRIBE_NAMESPACE and isinstance(
+            msg, m.Namespace | m.NamespaceDone
+        ):
+            self._on_namespace_message(rec, msg)
+            return
+        raise PeerViolation(
+            SessionErrorCode.PROTOCOL_VIOLATION,
+            f"{msg.TYPE.name} not expected on a {rec.kind.name} stream",
+        )
+
+    def _on_first_answer(self, rec: RequestRecord, msg: m.ControlMessage) -> None:
+        self._timers.cancel_request(rec.request_id)
+        if isinstance(msg, m.RequestError):
+            rec.state = RequestState.FAILED
+            self._out.emit(self._failed(rec.request_id, msg, None))
+            self.receiver.request_finished(rec)
+            return
+        kind = rec.kind
+        if kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.SubscribeOk):
+            largest = msg.params.get(p.LargestObject)
+            expires = msg.params.get(p.Expires)
+            rec.state = RequestState.ESTABLISHED
+            rec.track_alias = msg.track_alias
+            rec.largest = largest.location if largest else None
+            self.receiver.subscription_established(rec, msg.track_alias, msg.track_properties)
+            self._out.emit(
+                ev.SubscribeAccepted(
+                    request_id=rec.request_id,
+                    track_alias=msg.track_alias,
+                    largest=rec.largest,
+                    expires_ms=expires.ms if expires else None,
+                    track_properties=msg.track_properties,
+                )
+            )
+        elif kind is ev.RequestKind.FETCH and isinstance(msg, m.FetchOk):
+            rec.state = RequestState.ESTABLISHED
+            rec.largest = msg.end_location
+            self._out.emit(
+                ev.FetchAccepted(
+                    request_id=rec.request_id,
+                    end_of_track=msg.end_of_track,
+                    end_location=msg.end_location,
+                    track_properties=msg.track_properties,
+                )
+            )
+            self.receiver.fetch_accepted(rec)
+        elif kind not in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.FETCH) and isinstance(
+            msg, m.RequestOk
+        ):
+            m.check_request_ok(msg, MESSAGE_OF_KIND[kind])
+            rec.state = (
+                RequestState.DONE
+                if kind is ev.RequestKind.TRACK_STATUS
+                else RequestState.ESTABLISHED
+            )
+            largest = msg.params.get(p.LargestObject)
+            rec.largest = largest.location if largest else None
+            self._out.emit(
+                ev.RequestAccepted(
+                    request_id=rec.request_id,
+                    kind=kind,
+                    params=msg.params,
+                    track_properties=msg.track_properties,
+                )
+            )
+        else:
+            raise PeerViolation(
+                SessionErrorCode.PROTOCOL_VIOLATION, f"{msg.TYPE.name} cannot answer {kind.name}"
+            )
+
+    def _failed(
+        self, request_id: int, msg: m.RequestError, update_id: int | None
+    ) -> ev.RequestFailed:
+        return ev.RequestFailed(
+            request_id=request_id,
+            code=int(msg.error_code),
+            reason=msg.reason.decode("utf-8", "replace"),
+            retry_interval_ms=msg.retry_interval,
+            redirect=msg.redirect,
+            update_id=update_id,
+        )
+
+    def _on_namespace_message(self, rec: RequestRecord, msg: m.Namespace | m.NamespaceDone) -> None:
+        assert rec.namespace is not None
+        full = rec.namespace + msg.suffix
+        if isinstance(msg, m.Namespace):
+            rec.announced.add(msg.suffix.fields)
+            self._out.emit(ev.NamespaceAnnounced(request_id=rec.request_id, namespace=full))
+        else:
+            if msg.suffix.fields not in rec.announced:
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION, "NAMESPACE_DONE before NAMESPACE"
+                )
+            rec.announced.discard(msg.suffix.fields)
+            self._out.emit(ev.NamespaceWithdrawn(request_id=rec.request_id, namespace=full))
+
+    def _on_response_fin(self, rec: RequestRecord) -> None:
+        """The responder finished its half: final for TRACK_STATUS / errors, else an end."""
+        if rec.state is RequestState.PENDING:
+            rec.state = RequestState.FAILED
+            self._timers.cancel_request(rec.request_id)
+            self._out.emit(
+                ev.RequestFailed(
+                    request_id=rec.request_id,
+                    code=RequestErrorCode.INTERNAL_ERROR,
+                    reason="request stream ended before an answer",
+                )
+            )
+        elif (
+            rec.state is RequestState.ESTABLISHED and rec.kind is ev.RequestKind.SUBSCRIBE_NAMESPACE
+        ):
+            # d21 4.4: FIN of the response direction = every announced namespace ended
+            assert rec.namespace is not None
+            for suffix in sorted(rec.announced):
+                self._out.emit(
+                    ev.NamespaceWithdrawn(
+                        request_id=rec.request_id, namespace=rec.namespace + TrackNamespace(suffix)
+                    )
+                )
+            rec.announced.clear()
+            rec.state = RequestState.DONE
+        if not rec.local_fin:
+            self._out.write(rec.stream, fin=True)
+            rec.local_fin = True
+
+    def _on_stream_aborted(self, event: StreamAborted, now: float) -> None:
+        s = event.stream
+        if s == self._control_in or (s.local and s == self._control_out):
+            raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "control stream reset")
+        rec = self._by_stream.get(s)
+        if rec is None:
+            self._uni_pending.pop(s, None)
+            self.receiver.on_stream_aborted(event)
+            self.publisher.on_stream_aborted(event)
+            return
+        if event.kind is AbortKind.RESET:
+            rec.peer_fin = True
+        if rec.finished:
+            return
+        if rec.mine:
+            rec.state = RequestState.FAILED
+            self._timers.cancel_request(rec.request_id)
+            self._out.emit(
+                ev.RequestFailed(
+                    request_id=rec.request_id,
+                    code=event.code,
+                    reason="request stream reset by the peer",
+                )
+            )
+            self.receiver.request_finished(rec)
+        else:
+            # the peer cancelled its request (d21 6.4.2.3): stop serving it
+            rec.state = RequestState.FAILED
+            self.publisher.cancel(rec)
+            self._abort_request_stream(rec, StreamResetCode.CANCELLED)
+            self._out.emit(ev.RequestCancelled(request_id=rec.request_id, code=event.code))
+
+    # ------------------------------------------------------------------ timers and closing
+
+    def _fire_timers(self, now: float) -> None:
+        for kind, key in self._timers.pop_expired(now):
+            if kind is TimerKind.SETUP:
+                raise PeerViolation(SessionErrorCode.CONTROL_MESSAGE_TIMEOUT, "no SETUP from peer")
+            if kind is TimerKind.GOAWAY:
+                if any(not r.finished for r in self.requests.values()):
+                    raise PeerViolation(SessionErrorCode.GOAWAY_TIMEOUT, "peer did not leave")
+            elif kind is TimerKind.REQUEST:
+                rec = self.requests.get(key)
+                if rec is not None and rec.state is RequestState.PENDING:
+                    raise PeerViolation(
+                        SessionErrorCode.CONTROL_MESSAGE_TIMEOUT, f"no answer to request {key}"
+                    )
+        self.publisher.on_timer(now)
+
+    def _close(self, code: int, reason: str, initiator: ev.Initiator) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._timers.clear()
+        self._out.close(code, reason)
+        self._out.emit(ev.SessionClosed(code=code, reason=reason, initiator=initiator))

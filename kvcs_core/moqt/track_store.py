@@ -1,0 +1,582 @@
+"""The objects of one track, held once and shared by every session that serves it.
+
+Theory of operation
+-------------------
+A :class:`TrackStore` is the publisher-side store of one track (and, later, a
+relay's cache of it). It is pure and in memory: it holds *references* to the
+payload buffers its caller appends (as byte ``memoryview`` objects, never a
+copy, STYLE.md R8), so the caller must neither mutate nor resize a buffer once
+it is appended; a ``bytearray`` stays pinned (``BufferError`` on resize) while
+the store holds it. Memory is bounded by the caller: an original publisher
+keeps what it publishes, a relay calls :meth:`TrackStore.evict_group`.
+
+Caching rules (d21 section 7.1, wire reference 10 and 7.10):
+
+* The key is ``(Group ID, Object ID)`` (:class:`~kvcs_core.wire.names.Location`).
+  Re-appending an identical object is a no-op that returns the stored one. A
+  duplicate whose forwarding preference, Subgroup ID, priority, status, payload
+  or ``IMMUTABLE_PROPERTIES`` differ makes the track *malformed*
+  (:class:`ConflictingObject`). Other properties may change: a newer set
+  replaces the stored set, never merged (d21 section 8.4); listeners are not
+  called again for it.
+* End of Group and End of Track (d21 section 11.1.2, wire reference 7.8) are
+  status objects with no payload and no properties; they are stored like any
+  object, so a relay can forward them. An object beyond a group's End of Group
+  or beyond the track's End of Track, a marker placed below an object that
+  already exists, or a priority change within a subgroup also makes the track
+  malformed (:class:`BeyondEnd`, :class:`ConflictingObject`; d21 section 12.1).
+  A relay catches :class:`MalformedTrack` to end downstream subscriptions with
+  PUBLISH_DONE(MALFORMED_TRACK) and does not cache the offending object: the
+  store is left unchanged when it raises.
+* :attr:`TrackStore.largest` is the Largest Object of d21 section 3.1.3, the
+  largest Location appended (status objects count). Eviction does not lower
+  it: an evicted Location becomes *unknown*, not non-existent (d21 section 7.1).
+  Because d22 moves Largest Object on an object's first byte (Ambiguity A27),
+  a relay that sees a header before the whole object may call
+  :meth:`TrackStore.observe_largest`; the session then waits for that object
+  before ending a fill at it.
+
+Listeners and re-entrancy: :meth:`TrackStore.append` stores the object, then
+calls every listener synchronously, in registration order (a session enqueues
+the object for its live subscriptions). A listener must not append to the same
+store; doing so raises ``RuntimeError``. A listener may add or remove
+listeners: one removed during a notification is not called afterwards, one
+added is called from the next object on. If listeners raise, the rest are still
+called and the first exception (or an ``ExceptionGroup`` of all of them) is
+re-raised after the last one: the object stays stored.
+
+Range iteration (:meth:`TrackStore.objects_in`) is lazy and tolerant of
+concurrent appends and evictions: the cursor re-finds its place by bisection on
+each step, so an object appended ahead of the cursor is yielded, one appended
+behind it is not, and an evicted one is skipped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Iterator
+from typing import Final
+
+import attrs
+
+from kvcs_core.moqt.errors import LocalProtocolError
+from kvcs_core.wire.codes import MAX_VI64, GroupOrder, ObjectStatus, PropertyType
+from kvcs_core.wire.kvp import KeyValuePair, KeyValuePairs
+from kvcs_core.wire.names import FullTrackName, Location
+
+__all__ = [
+    "BeyondEnd",
+    "ConflictingObject",
+    "ListenerHandle",
+    "MalformedTrack",
+    "StoredObject",
+    "TrackStore",
+    "as_payload_view",
+]
+
+_EMPTY: Final = memoryview(b"")
+
+
+class MalformedTrack(LocalProtocolError, ValueError):
+    """An append that would make the track malformed (d21 section 12.1); the store is unchanged.
+
+    A :class:`~kvcs_core.moqt.errors.LocalProtocolError` for an original
+    publisher (its own misuse) and a ``ValueError``; a relay catches it to
+    detect a malformed upstream track.
+
+    Attributes:
+        location: the Location of the offending object.
+    """
+
+    def __init__(self, location: Location, reason: str) -> None:
+        super().__init__(f"malformed track at {location}: {reason}")
+        self.location: Final = location
+        self.reason: Final = reason
+
+
+class ConflictingObject(MalformedTrack):
+    """The same Location again with different content, or a priority change in a subgroup."""
+
+
+class BeyondEnd(MalformedTrack):
+    """An object beyond End of Group / End of Track, or a marker below an existing object."""
+
+
+def as_payload_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    """A flat byte (``"B"``) memoryview of ``payload`` without copying it.
+
+    Raises:
+        ValueError: ``payload`` is not a C-contiguous bytes-like object.
+    """
+    try:
+        mv = payload if isinstance(payload, memoryview) else memoryview(payload)
+    except TypeError:
+        raise ValueError(f"payload must be bytes-like, not {type(payload).__name__}") from None
+    if not mv.c_contiguous:
+        raise ValueError("payload must be a C-contiguous buffer (no copy is made)")
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def _payload_repr(view: memoryview) -> str:
+    return f"<{view.nbytes} bytes>"
+
+
+def _check_priority(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        raise ValueError(f"{what} {value!r} is not in 0..255")
+    return value
+
+
+@attrs.frozen
+class StoredObject:
+    """One object as stored (d21 section 11.1): immutable, payload by reference.
+
+    Equality compares payload contents; the hash leaves the payload out.
+    """
+
+    location: Location
+    """``{Group ID, Object ID}``."""
+    subgroup_id: int | None
+    """The Subgroup ID, or ``None`` for Datagram forwarding preference."""
+    publisher_priority: int
+    """Resolved Publisher Priority (the track default applied), 0 = most urgent."""
+    status: ObjectStatus
+    """NORMAL, END_OF_GROUP or END_OF_TRACK."""
+    properties: KeyValuePairs
+    """Object Properties in wire order (empty for status objects)."""
+    payload: memoryview = attrs.field(repr=_payload_repr, hash=False)
+    """The caller's buffer as a byte memoryview (empty for status objects)."""
+    datagram: bool
+    """Forwarding preference: ``True`` = Datagram, ``False`` = Subgroup."""
+    seq: int
+    """Arrival order within the store, strictly increasing from 0."""
+
+    @property
+    def group_id(self) -> int:
+        """``location.group``."""
+        return self.location.group
+
+    @property
+    def object_id(self) -> int:
+        """``location.object``."""
+        return self.location.object
+
+    @property
+    def size(self) -> int:
+        """Payload length in bytes."""
+        return self.payload.nbytes
+
+
+@attrs.frozen
+class ListenerHandle:
+    """What :meth:`TrackStore.subscribe_listener` returns; pass it to ``remove_listener``."""
+
+    id: int
+
+
+Listener = Callable[[StoredObject], None]
+
+
+def _immutable(props: KeyValuePairs) -> tuple[KeyValuePair, ...]:
+    return tuple(p for p in props if p.type == PropertyType.IMMUTABLE_PROPERTIES)
+
+
+class _Group:
+    """The stored objects of one group, Object IDs kept sorted."""
+
+    __slots__ = ("end", "ids", "objects", "subgroup_priority")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.objects: dict[int, StoredObject] = {}
+        self.end: int | None = None  # Object ID of an End of Group / End of Track here
+        self.subgroup_priority: dict[int, int] = {}
+
+    def insert(self, obj: StoredObject) -> None:
+        oid = obj.location.object
+        if not self.ids or oid > self.ids[-1]:
+            self.ids.append(oid)
+        else:
+            bisect.insort(self.ids, oid)
+        self.objects[oid] = obj
+
+
+class TrackStore:
+    """All known objects of one track; see the module docstring.
+
+    Args:
+        name: the Full Track Name.
+        default_publisher_priority: DEFAULT_PUBLISHER_PRIORITY (Track Property
+            0x0E), applied to objects appended without a priority.
+        group_order: DEFAULT_PUBLISHER_GROUP_ORDER (Track Property 0x22).
+        track_properties: the Track Properties sent in SUBSCRIBE_OK, PUBLISH,
+            FETCH_OK and TRACK_STATUS answers. If they carry 0x0E or 0x22, the
+            values must agree with the two arguments above.
+
+    Raises:
+        ValueError: a priority outside 0..255 or disagreeing Track Properties.
+    """
+
+    def __init__(
+        self,
+        name: FullTrackName,
+        *,
+        default_publisher_priority: int = 128,
+        group_order: GroupOrder = GroupOrder.ASCENDING,
+        track_properties: Iterable[KeyValuePair] = (),
+    ) -> None:
+        self.name: Final = name
+        self.default_publisher_priority: Final = _check_priority(
+            default_publisher_priority, "default_publisher_priority"
+        )
+        self.group_order: Final = GroupOrder(group_order)
+        self.track_properties: Final[KeyValuePairs] = tuple(track_properties)
+        for p in self.track_properties:
+            if p.type == PropertyType.DEFAULT_PUBLISHER_PRIORITY and p.value != (
+                self.default_publisher_priority
+            ):
+                raise ValueError("DEFAULT_PUBLISHER_PRIORITY property disagrees with the argument")
+            if p.type == PropertyType.DEFAULT_PUBLISHER_GROUP_ORDER and p.value != self.group_order:
+                raise ValueError(
+                    "DEFAULT_PUBLISHER_GROUP_ORDER property disagrees with the argument"
+                )
+        self._groups: dict[int, _Group] = {}
+        self._group_ids: list[int] = []  # sorted
+        self._largest: Location | None = None
+        self._end_of_track: Location | None = None
+        self._next_seq = 0
+        self._total_bytes = 0
+        self._count = 0
+        self._listeners: dict[int, Listener] = {}
+        self._next_listener = 0
+        self._notifying = False
+
+    # --- getters ---------------------------------------------------------------
+
+    @property
+    def largest(self) -> Location | None:
+        """Largest Object (d21 section 3.1.3): the largest Location known; ``None`` if none."""
+        return self._largest
+
+    @property
+    def end_of_track(self) -> Location | None:
+        """Location of the End of Track object, once appended."""
+        return self._end_of_track
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the payload lengths of the objects stored now."""
+        return self._total_bytes
+
+    def __len__(self) -> int:
+        """Number of objects stored now (status objects included)."""
+        return self._count
+
+    def __contains__(self, location: object) -> bool:
+        return isinstance(location, Location) and self.get(location) is not None
+
+    def group_ids(self) -> tuple[int, ...]:
+        """The Group IDs with at least one stored object, ascending."""
+        return tuple(self._group_ids)
+
+    def get(self, location: Location) -> StoredObject | None:
+        """The stored object at ``location``, or ``None`` (unknown or evicted)."""
+        grp = self._groups.get(location.group)
+        return None if grp is None else grp.objects.get(location.object)
+
+    def group_end(self, group_id: int) -> Location | None:
+        """Location of the End of Group (or End of Track) object of ``group_id``, if known."""
+        grp = self._groups.get(group_id)
+        if grp is not None and grp.end is not None:
+            return Location(group_id, grp.end)
+        eot = self._end_of_track
+        if eot is not None and eot.group == group_id:
+            return eot
+        return None
+
+    def objects_in(
+        self,
+        start: Location,
+        end: Location | None = None,
+        order: GroupOrder = GroupOrder.ASCENDING,
+    ) -> Iterator[StoredObject]:
+        """Stored objects with ``start <= location <= end``, lazily.
+
+        Within a group Object IDs ascend; groups ascend or descend by ``order``
+        (d21 section 11.4.1). ``end=None`` means :attr:`largest` *at the time of
+        this call* (so a fill's end is fixed when it is computed, A27). Gaps
+        (unknown, evicted or non-existent Locations) are simply skipped. The
+        iterator tolerates appends and evictions between steps (module docstring).
+        """
+        if end is None:
+            end = self._largest
+        if end is None or end < start:
+            return iter(())
+        if order == GroupOrder.DESCENDING:
+            return self._iter_descending(start, end)
+        return self._iter_ascending(start, end)
+
+    def _iter_ascending(self, start: Location, end: Location) -> Iterator[StoredObject]:
+        g = start.group
+        while True:
+            i = bisect.bisect_left(self._group_ids, g)
+            if i == len(self._group_ids):
+                return
+            gid = self._group_ids[i]
+            if gid > end.group:
+                return
+            yield from self._iter_group(gid, start, end)
+            if gid == MAX_VI64:
+                return
+            g = gid + 1
+
+    def _iter_descending(self, start: Location, end: Location) -> Iterator[StoredObject]:
+        g = end.group
+        while True:
+            i = bisect.bisect_right(self._group_ids, g) - 1
+            if i < 0:
+                return
+            gid = self._group_ids[i]
+            if gid < start.group:
+                return
+            yield from self._iter_group(gid, start, end)
+            if gid == 0:
+                return
+            g = gid - 1
+
+    def _iter_group(self, gid: int, start: Location, end: Location) -> Iterator[StoredObject]:
+        nxt = start.object if gid == start.group else 0
+        hi = end.object if gid == end.group else MAX_VI64
+        while True:
+            grp = self._groups.get(gid)
+            if grp is None:
+                return
+            i = bisect.bisect_left(grp.ids, nxt)
+            if i == len(grp.ids):
+                return
+            oid = grp.ids[i]
+            if oid > hi:
+                return
+            yield grp.objects[oid]
+            if oid == MAX_VI64:
+                return
+            nxt = oid + 1
+
+    # --- listeners ---------------------------------------------------------------
+
+    def subscribe_listener(self, callback: Listener) -> ListenerHandle:
+        """Call ``callback(obj)`` after every new object is stored (never for no-op re-appends)."""
+        handle = ListenerHandle(self._next_listener)
+        self._next_listener += 1
+        self._listeners[handle.id] = callback
+        return handle
+
+    def remove_listener(self, handle: ListenerHandle) -> None:
+        """Stop calling a listener; removing one that is already gone does nothing."""
+        self._listeners.pop(handle.id, None)
+
+    def _notify(self, obj: StoredObject) -> None:
+        errors: list[Exception] = []
+        self._notifying = True
+        try:
+            for lid, cb in tuple(self._listeners.items()):
+                if lid not in self._listeners:
+                    continue  # removed by an earlier listener
+                try:
+                    cb(obj)
+                except Exception as e:  # re-raised below, after every listener ran
+                    errors.append(e)
+        finally:
+            self._notifying = False
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ExceptionGroup("track store listeners failed", errors)
+
+    # --- commands ---------------------------------------------------------------
+
+    def append(
+        self,
+        group_id: int,
+        object_id: int,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        subgroup_id: int | None = 0,
+        publisher_priority: int | None = None,
+        status: ObjectStatus = ObjectStatus.NORMAL,
+        properties: Iterable[KeyValuePair] = (),
+        datagram: bool = False,
+    ) -> StoredObject:
+        """Store one object and tell the listeners.
+
+        Args:
+            group_id, object_id: its Location.
+            payload: the payload, held by reference (empty for status objects).
+            subgroup_id: Subgroup ID for Subgroup preference; must be 0 or
+                ``None`` with ``datagram=True`` (stored as ``None``).
+            publisher_priority: ``None`` = the priority of the subgroup if it
+                already holds objects (so an End of Group need not repeat it),
+                else the track's default.
+            status: NORMAL, END_OF_GROUP or END_OF_TRACK.
+            properties: Object Properties (Normal objects only).
+            datagram: Datagram forwarding preference.
+
+        Returns:
+            The stored object (the existing one for an identical re-append).
+
+        Raises:
+            ConflictingObject: same Location, different content; or a
+                different priority in a subgroup that already has one.
+            BeyondEnd: beyond End of Group / End of Track, or such a marker
+                below an existing object.
+            ValueError: invalid arguments (IDs, priority, a status object with
+                a payload or properties, a datagram with a Subgroup ID).
+            RuntimeError: called from inside a listener of this store.
+        """
+        if self._notifying:
+            raise RuntimeError("a TrackStore listener must not append to the store")
+        loc = Location(group_id, object_id)
+        status = ObjectStatus(status)
+        props = tuple(properties)
+        for p in props:
+            if not isinstance(p, KeyValuePair):
+                raise ValueError(f"property {p!r} is not a KeyValuePair")
+        view = as_payload_view(payload)
+        if datagram:
+            if subgroup_id not in (0, None):
+                raise ValueError("a Datagram-preference object has no Subgroup ID")
+            sg: int | None = None
+        else:
+            if subgroup_id is None or not 0 <= subgroup_id <= MAX_VI64:
+                raise ValueError(f"subgroup_id {subgroup_id!r} is not a vi64")
+            sg = subgroup_id
+        if status is not ObjectStatus.NORMAL:
+            if view.nbytes:
+                raise ValueError(f"a {status.name} object has no payload")
+            if props:
+                raise ValueError(f"a {status.name} object has no properties")
+            view = _EMPTY
+
+        grp = self._groups.get(group_id)
+        if publisher_priority is None:
+            # a subgroup has one priority (d21 section 5.1): inherit it, else the track default
+            known = None if grp is None or sg is None else grp.subgroup_priority.get(sg)
+            publisher_priority = self.default_publisher_priority if known is None else known
+        prio = _check_priority(publisher_priority, "publisher_priority")
+        cand = StoredObject(loc, sg, prio, status, props, view, datagram, self._next_seq)
+        if grp is not None:
+            existing = grp.objects.get(object_id)
+            if existing is not None:
+                return self._reappend(grp, existing, cand)
+        self._check_ends(loc, grp, status)
+        if sg is not None and grp is not None:
+            known = grp.subgroup_priority.get(sg)
+            if known is not None and known != prio:
+                raise ConflictingObject(
+                    loc, f"priority {prio} in subgroup {sg}, which has priority {known}"
+                )
+
+        obj = cand
+        self._next_seq += 1
+        if grp is None:
+            grp = self._groups[group_id] = _Group()
+            if not self._group_ids or group_id > self._group_ids[-1]:
+                self._group_ids.append(group_id)
+            else:
+                bisect.insort(self._group_ids, group_id)
+        grp.insert(obj)
+        if sg is not None:
+            grp.subgroup_priority[sg] = prio
+        if status is not ObjectStatus.NORMAL:
+            grp.end = object_id
+            if status is ObjectStatus.END_OF_TRACK:
+                self._end_of_track = loc
+        self._count += 1
+        self._total_bytes += view.nbytes
+        if self._largest is None or loc > self._largest:
+            self._largest = loc
+        self._notify(obj)
+        return obj
+
+    def _reappend(self, grp: _Group, existing: StoredObject, cand: StoredObject) -> StoredObject:
+        loc = existing.location
+        diffs = [
+            what
+            for what, same in (
+                ("forwarding preference", existing.datagram == cand.datagram),
+                ("Subgroup ID", existing.subgroup_id == cand.subgroup_id),
+                ("publisher priority", existing.publisher_priority == cand.publisher_priority),
+                ("status", existing.status == cand.status),
+                ("payload", existing.payload == cand.payload),
+                (
+                    "immutable properties",
+                    _immutable(existing.properties) == _immutable(cand.properties),
+                ),
+            )
+            if not same
+        ]
+        if diffs:
+            raise ConflictingObject(loc, "duplicate with a different " + ", ".join(diffs))
+        if existing.properties == cand.properties:
+            return existing
+        # d21 section 8.4: a newer set of (mutable) properties replaces the cached set.
+        updated = attrs.evolve(existing, properties=cand.properties)
+        grp.objects[loc.object] = updated
+        return updated
+
+    def _check_ends(self, loc: Location, grp: _Group | None, status: ObjectStatus) -> None:
+        eot = self._end_of_track
+        if eot is not None and loc > eot:
+            raise BeyondEnd(loc, f"object after End of Track at {eot}")
+        if grp is not None and grp.end is not None and loc.object > grp.end:
+            raise BeyondEnd(loc, f"object after End of Group at {{{loc.group},{grp.end}}}")
+        if (
+            status is ObjectStatus.END_OF_GROUP
+            and grp is not None
+            and grp.ids
+            and grp.ids[-1] > loc.object
+        ):
+            raise BeyondEnd(loc, f"End of Group below object {{{loc.group},{grp.ids[-1]}}}")
+        largest = self._largest
+        if status is ObjectStatus.END_OF_TRACK and largest is not None and largest > loc:
+            raise BeyondEnd(loc, f"End of Track below Largest Object {largest}")
+
+    def observe_largest(self, location: Location) -> None:
+        """Raise :attr:`largest` to ``location`` without storing an object (A27).
+
+        For a relay that has read an object's header but not yet its payload
+        (d22 moves Largest Object on the first byte).
+
+        Raises:
+            BeyondEnd: ``location`` is after End of Track.
+        """
+        eot = self._end_of_track
+        if eot is not None and location > eot:
+            raise BeyondEnd(location, f"object after End of Track at {eot}")
+        if self._largest is None or location > self._largest:
+            self._largest = location
+
+    def evict_group(self, group_id: int) -> int:
+        """Forget every object of ``group_id``; they become *unknown* (d21 section 7.1).
+
+        :attr:`largest` and :attr:`end_of_track` are kept. An End of Group marker of
+        the group is forgotten with it.
+
+        Returns:
+            The payload bytes freed (0 for a group that is not stored).
+        """
+        grp = self._groups.pop(group_id, None)
+        if grp is None:
+            return 0
+        i = bisect.bisect_left(self._group_ids, group_id)
+        del self._group_ids[i]
+        freed = sum(o.payload.nbytes for o in grp.objects.values())
+        self._total_bytes -= freed
+        self._count -= len(grp.objects)
+        return freed
+
+    def __repr__(self) -> str:
+        return (
+            f"<TrackStore {self.name} objects={self._count} bytes={self._total_bytes} "
+            f"largest={self._largest}>"
+        )
