@@ -63,6 +63,7 @@ from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import (
     GroupOrder,
     ObjectStatus,
+    PropertyType,
     PublishDoneCode,
     RequestErrorCode,
     StreamResetCode,
@@ -105,6 +106,10 @@ class _Served:
     ending: tuple[int, str] | None = None
     current_group: int | None = None
     done: bool = False
+    object_timeout: float | None = None
+    """Effective OBJECT_DELIVERY_TIMEOUT in seconds (d21 section 5.2), None = none."""
+    timed_out: set[tuple[int, int]] = attrs.field(factory=set)
+    """Subgroups reset for a delivery timeout: never reopened (d21 section 5.2)."""
 
 
 @attrs.define(eq=False)
@@ -114,6 +119,8 @@ class _Sender:
     served: _Served
     stream: StreamRef | None = None
     queue: deque[StoredObject] = attrs.field(factory=deque)
+    enqueued: deque[float] = attrs.field(factory=deque)
+    """When each queued object was offered (for OBJECT_DELIVERY_TIMEOUT, d21 5.2)."""
     cursor: Iterator[StoredObject] | None = None
     subgroup_writer: SubgroupStreamWriter | None = None
     fetch_writer: FetchStreamWriter | None = None
@@ -124,6 +131,21 @@ class _Sender:
     subgroup_id: int = 0
     filters: RangeFilterSet | None = None
     """Range filters for a cursor sender (fill/fetch); None: the served request's."""
+
+
+_ABANDONED = _Sender(sid=-1, kind=_Kind.SUBGROUP, served=None, finished=True)  # type: ignore[arg-type]
+"""Stands in for a subgroup reset after a delivery timeout: objects offered to it are dropped."""
+
+
+def _delivery_timeout(params: p.Parameters, store: TrackStore) -> float | None:
+    """min(subscriber, publisher) OBJECT_DELIVERY_TIMEOUT when both are non-zero (d21 5.2)."""
+    sub = params.get(p.ObjectDeliveryTimeout)
+    values = [sub.ms] if sub is not None and sub.ms else []
+    for prop in store.track_properties:
+        is_timeout = prop.type == PropertyType.OBJECT_DELIVERY_TIMEOUT
+        if is_timeout and isinstance(prop.value, int) and prop.value:
+            values.append(prop.value)
+    return min(values) / 1000 if values else None
 
 
 def _fill_or_fetch_order(params: p.Parameters, default: GroupOrder) -> GroupOrder:
@@ -170,6 +192,7 @@ class Publisher:
             filters=RangeFilterSet.from_params(params),
             alias=alias,
         )
+        served.object_timeout = _delivery_timeout(params, store)
         # Ambiguity A27: window and fill range against one Largest Object, in one step.
         largest = store.largest
         served.window = subscription_window(params.get(p.LocationFilter), largest)
@@ -211,7 +234,8 @@ class Publisher:
         )
         self._served[rec.request_id] = served
         eot = store.end_of_track
-        end_of_track = eot is not None and end >= eot
+        # End Of Track = 1 iff the track is complete and End Location is its last object
+        end_of_track = eot is not None and self._last_existing(store, end, eot) == end
         self._out.send(
             rec.stream, m.FetchOk(end_of_track, end, p.Parameters(), store.track_properties)
         )
@@ -278,7 +302,26 @@ class Publisher:
             self._maybe_finish(sender.served)
 
     def on_timer(self, now: float) -> None:
+        """Expire queued objects past their OBJECT_DELIVERY_TIMEOUT (d21 section 5.2)."""
         self.now = now
+        for sender in list(self._senders.values()):
+            timeout = sender.served.object_timeout
+            if timeout is None or not sender.enqueued:
+                continue
+            if now - sender.enqueued[0] > timeout:
+                sender.served.timed_out.add((sender.group_id, sender.subgroup_id))
+                self._abort_sender(sender, StreamResetCode.DELIVERY_TIMEOUT)
+
+    def next_deadline(self) -> float | None:
+        """When the oldest queued object of a subscription with a delivery timeout expires."""
+        best: float | None = None
+        for sender in self._senders.values():
+            timeout = sender.served.object_timeout
+            if timeout is not None and sender.enqueued:
+                # strictly after the timeout: the check is "older than", not "as old as"
+                at = sender.enqueued[0] + timeout + 1e-6
+                best = at if best is None or at < best else best
+        return best
 
     # -- the data pump --------------------------------------------------------------------
 
@@ -308,10 +351,8 @@ class Publisher:
         if not sender.partial:
             obj = self._next_object(sender)
             if obj is None:
-                if (
-                    sender.fin_when_drained
-                    or (sender.cursor is None
-                    and sender.kind is not _Kind.SUBGROUP)
+                if sender.fin_when_drained or (
+                    sender.cursor is None and sender.kind is not _Kind.SUBGROUP
                 ):
                     return self._fin(sender)
                 return None
@@ -343,14 +384,23 @@ class Publisher:
         if sender.cursor is not None:
             filters = sender.filters if sender.filters is not None else served.filters
             for obj in sender.cursor:
-                if filters.matches(obj):
+                # fetch streams carry no Object Status (d21 11.4.1): ends are implied by
+                # gaps and FETCH_OK; status objects are skipped
+                if obj.status is ObjectStatus.NORMAL and filters.matches(obj):
                     return obj
             sender.cursor = None
             sender.fin_when_drained = True
             return None
         if sender.queue:
             obj = sender.queue.popleft()
+            offered = sender.enqueued.popleft()
             served.queued_bytes -= obj.payload.nbytes
+            timeout = served.object_timeout
+            if timeout is not None and self.now - offered > timeout:
+                # d21 5.2: checked before handing the object over; reset, never reopen
+                served.timed_out.add((sender.group_id, sender.subgroup_id))
+                self._abort_sender(sender, StreamResetCode.DELIVERY_TIMEOUT)
+                return None
             if obj.status is not ObjectStatus.NORMAL:
                 sender.fin_when_drained = True
             return obj
@@ -362,7 +412,7 @@ class Publisher:
                 obj.location.object,
                 payload_length=obj.payload.nbytes,
                 status=obj.status,
-                properties=None,
+                properties=obj.properties,
             )
         else:
             assert sender.fetch_writer is not None
@@ -437,7 +487,10 @@ class Publisher:
             sender = self._datagram_sender(served)
         else:
             sender = self._subgroup_sender(served, obj)
+        if sender.finished:
+            return  # a subgroup abandoned after a delivery timeout
         sender.queue.append(obj)
+        sender.enqueued.append(self.now)
         served.queued_bytes += obj.payload.nbytes
         self._reschedule(sender)
         if served.queued_bytes > self._config.max_queued_bytes_per_subscription:
@@ -449,6 +502,8 @@ class Publisher:
         sender = served.senders.get(key)
         if sender is not None:
             return sender
+        if key in served.timed_out:
+            return _ABANDONED
         first = self._is_first_in_subgroup(served.store, obj)
         header = SubgroupHeader(
             track_alias=served.alias,
@@ -456,6 +511,8 @@ class Publisher:
             subgroup_id_mode=SubgroupIdMode.ZERO if sub == 0 else SubgroupIdMode.EXPLICIT,
             subgroup_id=sub,
             publisher_priority=obj.publisher_priority,
+            # every object may carry properties: the flag costs one byte per object
+            has_properties=True,
             first_object=first,
         )
         sender = self._new_sender(served, _Kind.SUBGROUP, priority=obj.publisher_priority)
@@ -570,7 +627,8 @@ class Publisher:
     def _last_existing(store: TrackStore, start: Location, end: Location) -> Location | None:
         last: Location | None = None
         for obj in store.objects_in(start, end, GroupOrder.ASCENDING):
-            last = obj.location
+            if obj.status is ObjectStatus.NORMAL:  # status markers are not objects that exist
+                last = obj.location
         return last
 
     def _detach(self, served: _Served) -> None:
@@ -584,6 +642,7 @@ class Publisher:
         if sender.stream is not None:
             self._out.abort(sender.stream, AbortKind.RESET, code)
         sender.queue.clear()
+        sender.enqueued.clear()
         sender.partial.clear()
         sender.cursor = None
         self._mark_finished(sender)

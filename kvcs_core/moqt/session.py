@@ -158,7 +158,11 @@ class MoqtSession:
     def get_timer(self) -> float | None:
         if self._closed:
             return None
-        return self._timers.earliest()
+        fixed = self._timers.earliest()
+        data = self.publisher.next_deadline()
+        if fixed is None or (data is not None and data < fixed):
+            return data
+        return fixed
 
     def poll_data(self, max_bytes: int) -> WriteStream | SendDatagram | None:
         """The next object data to send, at most ``max_bytes`` of it (pull-based, R9)."""
@@ -984,7 +988,7 @@ class MoqtSession:
                     SessionErrorCode.PROTOCOL_VIOLATION, f"unsolicited {msg.TYPE.name}"
                 )
             update_id = rec.pending_updates.popleft()
-            self._update_owner.pop(update_id, None)
+            # keep update_id -> request: a fill stream naming it may still arrive (d21 3.4)
             if isinstance(msg, m.RequestOk):
                 m.check_request_ok(msg, MessageType.REQUEST_UPDATE)
                 largest = msg.params.get(p.LargestObject)

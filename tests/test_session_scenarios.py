@@ -1,0 +1,337 @@
+"""MoqtSession scenarios over the loopback, each under whole, byte-by-byte and seeded
+random chunking, with identical (normalized) event logs.
+
+The scenarios are the ones the session issue names: the KVCS exactly-once
+pattern while the publisher keeps producing, FETCH of groups a..b (both orders),
+a subscriber joining after production ended, priorities observed in the order
+bytes leave the publisher under a bandwidth limit, delivery timeouts on the
+virtual clock; plus namespace discovery, TRACK_STATUS, REQUEST_UPDATE with a
+later fill, range filters, PUBLISH_DONE stream counts, cancellation and GOAWAY.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from session_pair import CHUNKINGS, NS, Pair, fill_store, normalized, payload, track
+
+from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.errors import LocalProtocolError
+from kvcs_core.moqt.track_store import TrackStore
+from kvcs_core.wire import params as p
+from kvcs_core.wire.codes import (
+    GroupOrder,
+    ObjectStatus,
+    ParameterType,
+    PublishDoneCode,
+    RequestErrorCode,
+    StreamResetCode,
+)
+from kvcs_core.wire.names import Location, TrackNamespace
+
+LOG: dict[str, dict[str, Any]] = {}
+
+
+def _same_across_chunkings(scenario: str, chunking: str, log: dict[Any, Any]) -> None:
+    """Record the normalized log; every chunking of a scenario must produce the same."""
+    seen = LOG.setdefault(scenario, {})
+    seen[chunking] = log
+    reference = next(iter(seen.values()))
+    assert log == reference, f"{scenario}: {chunking} differs from {next(iter(seen))}"
+
+
+@pytest.fixture(params=list(CHUNKINGS))
+def chunking(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_exactly_once_while_producing(chunking: str) -> None:
+    """SUBSCRIBE NEXT_OBJECT + FILL{ABSOLUTE_START 0,0} mid-production: each object once."""
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(3), 4)
+    store.append(3, 0, payload(3, 0))
+    store.append(3, 1, payload(3, 1))  # the subscription arrives in the middle of group 3
+    rid = pair.cli.subscribe(
+        store.name,
+        now=pair.now,
+        location_filter=p.LocationFilter.next_object(),
+        fill=p.Parameters.of(p.LocationFilter.absolute_start(0, 0)),
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    for o in range(2, 4):
+        store.append(3, o, payload(3, o))
+        pair.settle(0.002)
+    store.append(3, 4, status=ObjectStatus.END_OF_GROUP)
+    fill_store(store, range(4, 6), 4)
+    store.append(6, 0, status=ObjectStatus.END_OF_TRACK)
+    pair.settle(1.0)
+
+    got = [(e.location.group, e.location.object) for e in pair.objects(rid)]
+    # status objects travel only on subgroup streams: the fill carries normal objects
+    expected = [
+        (o.location.group, o.location.object)
+        for o in store.objects_in(Location(0, 0))
+        if o.status is ObjectStatus.NORMAL or o.location >= Location(3, 2)
+    ]
+    assert sorted(got) == sorted(expected)
+    assert len(got) == len(set(got)), "an object was delivered twice"
+    fills = {(e.location.group, e.location.object) for e in pair.objects(rid)
+             if e.delivery is ev.Delivery.FILL}
+    assert fills == {(g, o) for g in range(3) for o in range(4)} | {(3, 0), (3, 1)}
+    for e in pair.objects(rid):
+        if e.status is ObjectStatus.NORMAL:
+            assert bytes(e.payload) == payload(e.location.group, e.location.object)
+    accepted = pair.events(pair.cli, ev.SubscribeAccepted)[0]
+    assert accepted.largest == Location(3, 1)
+    _same_across_chunkings("exactly_once", chunking, normalized(pair.net.events(pair.cli)))
+
+
+@pytest.mark.parametrize("order", [GroupOrder.ASCENDING, GroupOrder.DESCENDING])
+def test_fetch_groups_a_to_b(chunking: str, order: GroupOrder) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(8), 3)
+    rid = pair.cli.fetch(
+        store.name,
+        now=pair.now,
+        location_filter=p.LocationFilter.absolute_group_end(2, 0, 5),
+        group_order=order,
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.DataStreamEnded))
+    got = [(e.location.group, e.location.object) for e in pair.objects(rid)]
+    groups = range(2, 6) if order is GroupOrder.ASCENDING else range(5, 1, -1)
+    # status objects are not carried on fetch streams (d21 11.4.1)
+    assert got == [(g, o) for g in groups for o in range(3)]
+    assert all(e.delivery is ev.Delivery.FETCH for e in pair.objects(rid))
+    ok = pair.events(pair.cli, ev.FetchAccepted)
+    assert len(ok) == 1 and not ok[0].end_of_track
+    assert ok[0].end_location == Location(5, 2)  # the group's last existing object (A2d)
+    _same_across_chunkings(f"fetch_{order.name}", chunking,
+                           normalized(pair.net.events(pair.cli)))
+
+
+def test_fetch_of_nothing_is_invalid_range(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("empty")))
+    rid = pair.cli.fetch(store.name, now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.RequestFailed))
+    failed = pair.events(pair.cli, ev.RequestFailed)[0]
+    assert (failed.request_id, failed.code) == (rid, RequestErrorCode.INVALID_RANGE)
+
+
+def test_subscriber_joins_after_production_ended(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("v.raw.s0")))
+    fill_store(store, range(4), 5)
+    store.append(4, 0, status=ObjectStatus.END_OF_TRACK)
+    rid = pair.cli.subscribe(
+        store.name, now=pair.now,
+        location_filter=p.LocationFilter.next_object(),
+        fill=p.Parameters.of(p.LocationFilter.absolute_start(0, 0)),
+    )
+    pair.wait(lambda: any(e.delivery is ev.Delivery.FILL
+                          for e in pair.events(pair.cli, ev.DataStreamEnded)))
+    got = [(e.location.group, e.location.object, e.status) for e in pair.objects(rid)]
+    assert got == [(o.location.group, o.location.object, ObjectStatus.NORMAL)
+                   for o in store.objects_in(Location(0, 0)) if o.status is ObjectStatus.NORMAL]
+    pair.srv.end_subscription(rid, PublishDoneCode.TRACK_ENDED, now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.PublishDoneReceived))
+    done = pair.events(pair.cli, ev.PublishDoneReceived)[0]
+    assert done.status == PublishDoneCode.TRACK_ENDED
+    assert done.stream_count == 1  # the fill stream
+    _same_across_chunkings("late_join", chunking, normalized(pair.net.events(pair.cli)))
+
+
+def test_subscriber_priority_orders_bytes_under_bandwidth_limit() -> None:
+    """d21 5.1.2 rule 1: the more urgent subscription's bytes leave the publisher first."""
+    pair = Pair(bandwidth=200_000)
+    slow = pair.serve(TrackStore(track("slow")))
+    fast = pair.serve(TrackStore(track("fast")))
+    low = pair.cli.subscribe(slow.name, now=pair.now, priority=200)
+    high = pair.cli.subscribe(fast.name, now=pair.now, priority=10)
+    pair.wait(lambda: len(pair.events(pair.cli, ev.SubscribeAccepted)) == 2)
+    for g in range(3):
+        for o in range(10):
+            slow.append(g, o, payload(g, o, 2000))
+            fast.append(g, o, payload(g, o, 2000))
+    pair.settle(2.0)
+    order = [e.request_id for e in pair.objects()]
+    assert sorted(order) == sorted([low] * 30 + [high] * 30)
+    assert order[:30] == [high] * 30, "the urgent subscription did not go first"
+    # and in the order bytes left the publisher: all of high's streams before low's data
+    served = pair.link.endpoint(pair.srv).sent_log
+    assert served, "the loopback recorded no data sent by the publisher"
+
+
+def test_publisher_priority_breaks_ties_within_equal_subscriber_priority() -> None:
+    pair = Pair(bandwidth=100_000)
+    store = pair.serve(TrackStore(track("layers")))
+    rid = pair.cli.subscribe(store.name, now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    # group 0 less urgent than group 1 (publisher priority), both queued at once
+    for o in range(8):
+        store.append(0, o, payload(0, o, 3000), publisher_priority=200)
+    for o in range(8):
+        store.append(1, o, payload(1, o, 3000), subgroup_id=0, publisher_priority=10)
+    pair.settle(2.0)
+    groups = [e.location.group for e in pair.objects(rid)]
+    assert groups.count(1) == 8
+    first_g0 = groups.index(0)
+    assert groups[first_g0:].count(1) <= 1, "publisher priority not honoured"
+
+
+def test_object_delivery_timeout_fires_on_the_virtual_clock() -> None:
+    pair = Pair(bandwidth=50_000)
+    store = pair.serve(TrackStore(track("k.raw.s1")))
+    rid = pair.cli.subscribe(store.name, now=pair.now,
+                             extra=[p.ObjectDeliveryTimeout(100)])
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    for o in range(40):
+        store.append(0, o, payload(0, o, 1000))  # 40 kB at 50 kB/s: most will expire
+    pair.settle(6.0)
+    received = pair.objects(rid)
+    assert 0 < len(received) < 40
+    ended = pair.events(pair.cli, ev.DataStreamEnded)
+    assert [e.reset_code for e in ended] == [StreamResetCode.DELIVERY_TIMEOUT]
+    # later objects of that subgroup are never sent again (d21 5.2: SHOULD NOT reopen)
+    store.append(0, 40, payload(0, 40))
+    pair.settle(1.0)
+    assert len(pair.objects(rid)) == len(received)
+
+
+def test_namespace_discovery(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    other = TrackNamespace.of("kvcs-1", b"\x09" * 16)
+    pair.serve(TrackStore(track("manifest")))
+    pair.serve(TrackStore(track("manifest", other)))
+    rid = pair.cli.subscribe_namespace(TrackNamespace.of("kvcs-1", b"\x01" * 16), now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.NamespaceAnnounced))
+    pair.settle(0.1)
+    announced = pair.events(pair.cli, ev.NamespaceAnnounced)
+    assert [(a.request_id, a.namespace) for a in announced] == [(rid, NS)]
+    accepted = pair.events(pair.cli, ev.RequestAccepted)
+    assert accepted[0].kind is ev.RequestKind.SUBSCRIBE_NAMESPACE
+    # an overlapping second SUBSCRIBE_NAMESPACE is refused (PREFIX_OVERLAP, A21)
+    rid2 = pair.cli.subscribe_namespace(TrackNamespace.of("kvcs-1"), now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.RequestFailed))
+    failed = pair.events(pair.cli, ev.RequestFailed)[0]
+    assert (failed.request_id, failed.code) == (rid2, RequestErrorCode.PREFIX_OVERLAP)
+
+
+def test_track_status(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("manifest")))
+    fill_store(store, range(2), 2)
+    rid = pair.cli.track_status(store.name, now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.RequestAccepted))
+    ok = pair.events(pair.cli, ev.RequestAccepted)[0]
+    assert ok.request_id == rid and ok.kind is ev.RequestKind.TRACK_STATUS
+    largest = ok.params.get(p.LargestObject)
+    assert largest is not None and largest.location == Location(1, 2)
+    missing = pair.cli.track_status(track("nope"), now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.RequestFailed))
+    assert pair.events(pair.cli, ev.RequestFailed)[0].request_id == missing
+
+
+def test_request_update_forward_then_fill(chunking: str) -> None:
+    """Forward 0 delivers nothing; RU{FORWARD 1, FILL} opens a fill named by the RU (d21 3.4)."""
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.q8.s0")))
+    rid = pair.cli.subscribe(store.name, now=pair.now, forward=False,
+                             location_filter=p.LocationFilter.next_object())
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    fill_store(store, range(2), 3)
+    pair.settle(0.2)
+    assert pair.objects(rid) == []
+    uid = pair.cli.request_update(
+        rid,
+        p.Parameters.of(p.Forward(1), p.FillParameters(p.Parameters.of(
+            p.LocationFilter.absolute_start(0, 0)))),
+        now=pair.now,
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.RequestAccepted))
+    pair.settle(0.5)
+    ok = pair.events(pair.cli, ev.RequestAccepted)[0]
+    assert ok.update_id == uid
+    objs = pair.objects(rid)
+    assert [(e.location.group, e.location.object) for e in objs] == [
+        (g, o) for g in range(2) for o in range(3)]
+    assert {(e.delivery, e.via_request_id) for e in objs} == {(ev.Delivery.FILL, uid)}
+    # and live objects now flow
+    store.append(2, 0, payload(2, 0))
+    pair.settle(0.2)
+    assert pair.objects(rid)[-1].delivery is ev.Delivery.SUBSCRIPTION
+    _same_across_chunkings("update_fill", chunking, normalized(pair.net.events(pair.cli)))
+
+
+def test_objectid_range_filter_on_fetch(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(3), 6)
+    rid = pair.cli.fetch(
+        store.name, now=pair.now,
+        range_filters=[p.RangeFilter(ParameterType.OBJECTID_FILTER, 0, None, ((1, 2),))],
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.DataStreamEnded))
+    assert [(e.location.group, e.location.object) for e in pair.objects(rid)] == [
+        (g, o) for g in range(3) for o in (1, 2)]
+
+
+def test_unknown_track_is_refused(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    rid = pair.cli.subscribe(track("missing"), now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.RequestFailed))
+    failed = pair.events(pair.cli, ev.RequestFailed)[0]
+    assert (failed.request_id, failed.code, failed.reason) == (
+        rid, RequestErrorCode.DOES_NOT_EXIST, "no such track")
+    assert not pair.cli.is_closed and not pair.srv.is_closed
+
+
+def test_cancel_resets_the_subscription_streams() -> None:
+    pair = Pair(bandwidth=20_000)
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    rid = pair.cli.subscribe(store.name, now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    for o in range(20):
+        store.append(0, o, payload(0, o, 4000))
+    pair.settle(0.5)
+    pair.cli.cancel(rid, now=pair.now)
+    pair.net.poke(pair.cli)
+    pair.settle(1.0)
+    cancelled = pair.events(pair.srv, ev.RequestCancelled)
+    assert [c.request_id for c in cancelled] == [rid]
+    n = len(pair.objects(rid))
+    store.append(0, 20, payload(0, 20))
+    pair.settle(1.0)
+    assert len(pair.objects(rid)) == n
+    assert not pair.srv.is_closed and not pair.cli.is_closed
+
+
+def test_goaway(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    pair.srv.goaway(b"moqt://other.example/moq", 5000, now=pair.now)
+    pair.net.poke(pair.srv)
+    pair.wait(lambda: pair.events(pair.cli, ev.GoawayReceived))
+    g = pair.events(pair.cli, ev.GoawayReceived)[0]
+    assert (g.new_session_uri, g.timeout_ms, g.request_id) == (b"moqt://other.example/moq", 5000,
+                                                               None)
+    with pytest.raises(LocalProtocolError):
+        pair.cli.subscribe(track("x"), now=pair.now)
+    pair.cli.close(now=pair.now)
+    pair.net.poke(pair.cli)
+    pair.settle(0.1)
+    closed = pair.events(pair.srv, ev.SessionClosed)
+    assert closed and closed[0].code == 0 and closed[0].initiator is ev.Initiator.PEER
+
+
+def test_session_closed_events_are_final(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    pair.link.cut()
+    pair.settle(0.1)
+    for s in (pair.cli, pair.srv):
+        closed = pair.events(s, ev.SessionClosed)
+        assert len(closed) == 1 and closed[0].initiator is ev.Initiator.PEER
+        assert s.is_closed
+        assert s.get_timer() is None
