@@ -40,11 +40,12 @@ from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.errors import LocalProtocolError, PeerViolation
 from kvcs_core.moqt.output import Output
+from kvcs_core.moqt.own_requests import OwnRequests
+from kvcs_core.moqt.peer_requests import PeerRequests
 from kvcs_core.moqt.publishing import Publisher
 from kvcs_core.moqt.receiving import DataReceiver
 from kvcs_core.moqt.requests import (
     MESSAGE_OF_KIND,
-    REQUEST_KIND_OF,
     RequestIdTracker,
     RequestRecord,
     RequestState,
@@ -67,13 +68,11 @@ from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import (
     GroupOrder,
-    MessageType,
     RequestErrorCode,
     SessionErrorCode,
     StreamResetCode,
 )
 from kvcs_core.wire.errors import NEED_MORE, CodecError
-from kvcs_core.wire.filters import invalid_filter_reason
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
 from kvcs_core.wire.objects import UniStreamKind, peek_uni_stream_type
 
@@ -87,7 +86,7 @@ _NAMESPACE_KINDS = (
 )
 
 
-class MoqtSession:
+class MoqtSession(PeerRequests, OwnRequests):
     """One MOQT draft-22 session (see the module docstring for the model)."""
 
     def __init__(self, config: SessionConfig) -> None:
@@ -556,24 +555,6 @@ class MoqtSession:
             raise LocalProtocolError(f"request {request_id} is not established")
         return rec
 
-    def _refuse(
-        self, rec: RequestRecord, code: int, reason: str, retry_interval_ms: int = 0
-    ) -> None:
-        self._out.send(
-            rec.stream,
-            m.RequestError(code, retry_interval_ms, reason.encode()[:1024]),
-            fin=True,
-        )
-        rec.local_fin = True
-        rec.state = RequestState.FAILED
-
-    def _abort_request_stream(self, rec: RequestRecord, code: int) -> None:
-        if not rec.local_fin:
-            self._out.abort(rec.stream, AbortKind.RESET, code)
-            rec.local_fin = True
-        if not rec.peer_fin:
-            self._out.abort(rec.stream, AbortKind.STOP_SENDING, code)
-
     # ------------------------------------------------------------------ internals: dispatch
 
     def _dispatch(self, event: TransportEvent, now: float) -> None:
@@ -735,48 +716,6 @@ class MoqtSession:
 
     # -- request streams
 
-    def _new_peer_request_stream(self, s: StreamRef, event: StreamData, now: float) -> None:
-        decoder = m.ControlStreamDecoder()
-        msgs = decoder.feed(event.data)
-        if not msgs:
-            if event.fin:
-                raise PeerViolation(
-                    SessionErrorCode.PROTOCOL_VIOLATION, "request stream ended early"
-                )
-            # keep the partial first message under a placeholder record-less decoder
-            self._partial_requests[s] = decoder
-            return
-        self._open_peer_request(s, decoder, msgs, event.fin, now)
-
-    def _open_peer_request(
-        self,
-        s: StreamRef,
-        decoder: m.ControlStreamDecoder,
-        msgs: list[m.ControlMessage],
-        fin: bool,
-        now: float,
-    ) -> None:
-        first = msgs[0]
-        kind = REQUEST_KIND_OF.get(first.TYPE)
-        if kind is None:
-            raise PeerViolation(
-                SessionErrorCode.PROTOCOL_VIOLATION,
-                f"{first.TYPE.name} cannot open a request stream",
-            )
-        rid: int = getattr(first, "request_id")  # noqa: B009 - every request type has one
-        if not self._peer_ids.accept(rid):
-            raise PeerViolation(SessionErrorCode.INVALID_REQUEST_ID, f"bad Request ID {rid}")
-        rec = RequestRecord(
-            request_id=rid, kind=kind, stream=s, mine=False, opened_at=now, decoder=decoder
-        )
-        self.requests[rid] = rec
-        self._by_stream[s] = rec
-        self._on_peer_request(rec, first, now)
-        for msg in msgs[1:]:
-            self._on_requester_message(rec, msg, now)
-        if fin:
-            rec.peer_fin = True
-
     def _on_request_bytes(
         self, rec: RequestRecord, data: bytes | memoryview, fin: bool, now: float
     ) -> None:
@@ -790,362 +729,6 @@ class MoqtSession:
             rec.peer_fin = True
             if rec.mine:
                 self._on_response_fin(rec)
-
-    def _on_peer_request(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
-        """The first message of a peer's request stream."""
-        live = sum(1 for r in self.requests.values() if not r.mine and not r.finished)
-        if live > self.config.max_concurrent_peer_requests:
-            self._refuse(
-                rec,
-                RequestErrorCode.EXCESSIVE_LOAD,
-                "too many requests",
-                self.config.retry_interval_ms + 1,
-            )
-            return
-        if self._goaway_sent:
-            self._refuse(rec, RequestErrorCode.GOING_AWAY, "going away")
-            return
-        if isinstance(msg, m.Subscribe | m.Fetch | m.TrackStatus):
-            rec.track = msg.track
-            rec.params = msg.params
-            order = msg.params.get(p.GroupOrderParam)
-            rec.group_order = order.order if order else GroupOrder.ASCENDING
-            bad = self._bad_filters(msg.params)
-            if bad is not None:
-                self._refuse(rec, RequestErrorCode.INVALID_FILTER, bad)
-                return
-            if isinstance(msg, m.Subscribe):
-                self._out.emit(
-                    ev.SubscribeRequested(
-                        request_id=rec.request_id, track=msg.track, params=msg.params
-                    )
-                )
-            elif isinstance(msg, m.Fetch):
-                self._out.emit(
-                    ev.FetchRequested(request_id=rec.request_id, track=msg.track, params=msg.params)
-                )
-            else:
-                self._out.emit(
-                    ev.TrackStatusRequested(
-                        request_id=rec.request_id, track=msg.track, params=msg.params
-                    )
-                )
-        elif isinstance(msg, m.PublishNamespace):
-            rec.namespace = msg.namespace
-            rec.params = msg.params
-            self._out.emit(
-                ev.PublishNamespaceRequested(
-                    request_id=rec.request_id, namespace=msg.namespace, params=msg.params
-                )
-            )
-        elif isinstance(msg, m.SubscribeNamespace):
-            rec.namespace = msg.prefix
-            rec.params = msg.params
-            overlap = self._prefix_overlap(rec)
-            if overlap:
-                self._refuse(rec, RequestErrorCode.PREFIX_OVERLAP, "prefix overlaps another")
-                return
-            self._out.emit(
-                ev.SubscribeNamespaceRequested(
-                    request_id=rec.request_id, prefix=msg.prefix, params=msg.params
-                )
-            )
-        else:
-            # PUBLISH and SUBSCRIBE_TRACKS are answered NOT_SUPPORTED by this session for
-            # now (d21 section 12.3: limited endpoints SHOULD answer, not ignore).
-            self._refuse(rec, RequestErrorCode.NOT_SUPPORTED, f"{msg.TYPE.name} not supported")
-
-    def _bad_filters(self, params: p.Parameters) -> str | None:
-        """REQUEST_ERROR INVALID_FILTER reasons (d21 3.3.2; wire reference 5.5)."""
-        reason = invalid_filter_reason(list(params))
-        if reason is not None:
-            return reason
-        ranges = sum(len(f.ranges) for f in params if isinstance(f, p.RangeFilter))
-        for fp in params.all(p.FillParameters):
-            inner = invalid_filter_reason(list(fp.params))
-            if inner is not None:
-                return inner
-            ranges += sum(len(f.ranges) for f in fp.params if isinstance(f, p.RangeFilter))
-        if ranges > self.config.max_filter_ranges:
-            return f"{ranges} ranges exceed MAX_FILTER_RANGES {self.config.max_filter_ranges}"
-        has_filter = any(isinstance(f, p.RangeFilter) for f in params)
-        if has_filter and self.config.max_filter_ranges == 0:
-            return "range filters were not allowed (MAX_FILTER_RANGES 0)"
-        return None
-
-    def _prefix_overlap(self, rec: RequestRecord) -> bool:
-        """Ambiguity A21: overlap iff one prefix is a field-wise prefix of the other."""
-        assert rec.namespace is not None
-        for other in self.requests.values():
-            if (
-                other is rec
-                or other.mine
-                or other.kind is not rec.kind
-                or other.state is not RequestState.ESTABLISHED
-                or other.namespace is None
-            ):
-                continue
-            if other.namespace.is_prefix_of(rec.namespace) or rec.namespace.is_prefix_of(
-                other.namespace
-            ):
-                return True
-        return False
-
-    def _on_requester_message(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
-        """A later message from the peer on a request stream it opened."""
-        if isinstance(msg, m.RequestUpdate):
-            m.check_request_update(msg, MESSAGE_OF_KIND[rec.kind])
-            if not self._peer_ids.accept(msg.request_id):
-                raise PeerViolation(
-                    SessionErrorCode.INVALID_REQUEST_ID, f"bad Request ID {msg.request_id}"
-                )
-            rec.pending_updates.append(msg.request_id)
-            limit = self.config.max_request_updates
-            if limit and len(rec.pending_updates) > limit:
-                raise PeerViolation(
-                    SessionErrorCode.TOO_MANY_REQUEST_UPDATES, "too many REQUEST_UPDATEs"
-                )
-            self._update_owner[msg.request_id] = rec.request_id
-            self._on_peer_update(rec, msg, now)
-        elif isinstance(msg, m.Goaway):
-            if rec.goaway_seen:
-                raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second GOAWAY on stream")
-            rec.goaway_seen = True  # Ambiguity A22: accepted from either side
-            self._out.emit(
-                ev.GoawayReceived(
-                    new_session_uri=msg.new_session_uri,
-                    timeout_ms=msg.timeout_ms,
-                    request_id=rec.request_id,
-                )
-            )
-        else:
-            raise PeerViolation(
-                SessionErrorCode.PROTOCOL_VIOLATION,
-                f"{msg.TYPE.name} from the requester of a {rec.kind.name}",
-            )
-
-    def _on_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate, now: float) -> None:
-        update_id = rec.pending_updates.popleft()
-        if rec.state is not RequestState.ESTABLISHED and rec.kind is not ev.RequestKind.FETCH:
-            # Updates are applied to established requests only; one that overtakes the
-            # answer to its request is refused (the request itself is unaffected).
-            self._out.send(
-                rec.stream,
-                m.RequestError(
-                    RequestErrorCode.NOT_SUPPORTED, 0, b"update before the request was answered"
-                ),
-            )
-            return
-        if rec.kind is ev.RequestKind.SUBSCRIBE:
-            bad = self._bad_filters(msg.params)
-            if bad is not None:
-                self._out.send(
-                    rec.stream,
-                    m.RequestError(RequestErrorCode.INVALID_FILTER, 0, bad.encode()[:1024]),
-                )
-                # d21 9.5.1: a failed update ends the subscription (PUBLISH_DONE UPDATE_FAILED)
-                self.publisher.end_subscription(rec, 0x8, "update failed")
-                rec.state = RequestState.DONE
-                return
-            self.publisher.update_subscription(rec, update_id, msg.params, now)
-        elif (prefix := msg.params.get(p.TrackNamespacePrefix)) is not None:
-            old = rec.namespace
-            rec.namespace = prefix.namespace
-            if self._prefix_overlap(rec):
-                rec.namespace = old
-                self._out.send(
-                    rec.stream,
-                    m.RequestError(RequestErrorCode.PREFIX_OVERLAP, 0, b"prefix overlaps another"),
-                )
-                return
-            self._out.send(rec.stream, m.RequestOk(p.Parameters()))
-        else:
-            self._out.send(rec.stream, m.RequestOk(p.Parameters()))
-        self._out.emit(
-            ev.RequestUpdated(request_id=rec.request_id, update_id=update_id, params=msg.params)
-        )
-
-    def _on_responder_message(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
-        """A message from the peer on a request stream we opened."""
-        if isinstance(msg, m.Goaway):
-            if rec.goaway_seen:
-                raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second GOAWAY on stream")
-            rec.goaway_seen = True
-            self._out.emit(
-                ev.GoawayReceived(
-                    new_session_uri=msg.new_session_uri,
-                    timeout_ms=msg.timeout_ms,
-                    request_id=rec.request_id,
-                )
-            )
-            return
-        if rec.state is RequestState.PENDING:
-            self._on_first_answer(rec, msg)
-            return
-        if isinstance(msg, m.RequestOk | m.RequestError):
-            if not rec.pending_updates:
-                raise PeerViolation(
-                    SessionErrorCode.PROTOCOL_VIOLATION, f"unsolicited {msg.TYPE.name}"
-                )
-            update_id = rec.pending_updates.popleft()
-            # keep update_id -> request: a fill stream naming it may still arrive (d21 3.4)
-            if isinstance(msg, m.RequestOk):
-                m.check_request_ok(msg, MessageType.REQUEST_UPDATE)
-                largest = msg.params.get(p.LargestObject)
-                if largest is not None:
-                    rec.largest = largest.location
-                self._out.emit(
-                    ev.RequestAccepted(
-                        request_id=rec.request_id,
-                        kind=rec.kind,
-                        params=msg.params,
-                        update_id=update_id,
-                    )
-                )
-            else:
-                self._out.emit(self._failed(rec.request_id, msg, update_id))
-            return
-        if rec.kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.PublishDone):
-            rec.state = RequestState.DONE
-            self._out.emit(
-                ev.PublishDoneReceived(
-                    request_id=rec.request_id,
-                    status=int(msg.status_code),
-                    stream_count=msg.stream_count,
-                    reason=msg.reason.decode("utf-8", "replace"),
-                )
-            )
-            self.receiver.request_finished(rec)
-            return
-        if rec.kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.PublishStateNotify):
-            largest = msg.params.get(p.LargestObject)
-            if largest is not None:
-                rec.largest = largest.location
-            return
-        if rec.kind is ev.RequestKind.SUBSCRIBE_NAMESPACE and isinstance(
-            msg, m.Namespace | m.NamespaceDone
-        ):
-            self._on_namespace_message(rec, msg)
-            return
-        raise PeerViolation(
-            SessionErrorCode.PROTOCOL_VIOLATION,
-            f"{msg.TYPE.name} not expected on a {rec.kind.name} stream",
-        )
-
-    def _on_first_answer(self, rec: RequestRecord, msg: m.ControlMessage) -> None:
-        self._timers.cancel_request(rec.request_id)
-        if isinstance(msg, m.RequestError):
-            rec.state = RequestState.FAILED
-            self._out.emit(self._failed(rec.request_id, msg, None))
-            self.receiver.request_finished(rec)
-            return
-        kind = rec.kind
-        if kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.SubscribeOk):
-            largest = msg.params.get(p.LargestObject)
-            expires = msg.params.get(p.Expires)
-            rec.state = RequestState.ESTABLISHED
-            rec.track_alias = msg.track_alias
-            rec.largest = largest.location if largest else None
-            self.receiver.subscription_established(rec, msg.track_alias, msg.track_properties)
-            self._out.emit(
-                ev.SubscribeAccepted(
-                    request_id=rec.request_id,
-                    track_alias=msg.track_alias,
-                    largest=rec.largest,
-                    expires_ms=expires.ms if expires else None,
-                    track_properties=msg.track_properties,
-                )
-            )
-        elif kind is ev.RequestKind.FETCH and isinstance(msg, m.FetchOk):
-            rec.state = RequestState.ESTABLISHED
-            rec.largest = msg.end_location
-            self._out.emit(
-                ev.FetchAccepted(
-                    request_id=rec.request_id,
-                    end_of_track=msg.end_of_track,
-                    end_location=msg.end_location,
-                    track_properties=msg.track_properties,
-                )
-            )
-            self.receiver.fetch_accepted(rec)
-        elif kind not in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.FETCH) and isinstance(
-            msg, m.RequestOk
-        ):
-            m.check_request_ok(msg, MESSAGE_OF_KIND[kind])
-            rec.state = (
-                RequestState.DONE
-                if kind is ev.RequestKind.TRACK_STATUS
-                else RequestState.ESTABLISHED
-            )
-            largest = msg.params.get(p.LargestObject)
-            rec.largest = largest.location if largest else None
-            self._out.emit(
-                ev.RequestAccepted(
-                    request_id=rec.request_id,
-                    kind=kind,
-                    params=msg.params,
-                    track_properties=msg.track_properties,
-                )
-            )
-        else:
-            raise PeerViolation(
-                SessionErrorCode.PROTOCOL_VIOLATION, f"{msg.TYPE.name} cannot answer {kind.name}"
-            )
-
-    def _failed(
-        self, request_id: int, msg: m.RequestError, update_id: int | None
-    ) -> ev.RequestFailed:
-        return ev.RequestFailed(
-            request_id=request_id,
-            code=int(msg.error_code),
-            reason=msg.reason.decode("utf-8", "replace"),
-            retry_interval_ms=msg.retry_interval,
-            redirect=msg.redirect,
-            update_id=update_id,
-        )
-
-    def _on_namespace_message(self, rec: RequestRecord, msg: m.Namespace | m.NamespaceDone) -> None:
-        assert rec.namespace is not None
-        full = rec.namespace + msg.suffix
-        if isinstance(msg, m.Namespace):
-            rec.announced.add(msg.suffix.fields)
-            self._out.emit(ev.NamespaceAnnounced(request_id=rec.request_id, namespace=full))
-        else:
-            if msg.suffix.fields not in rec.announced:
-                raise PeerViolation(
-                    SessionErrorCode.PROTOCOL_VIOLATION, "NAMESPACE_DONE before NAMESPACE"
-                )
-            rec.announced.discard(msg.suffix.fields)
-            self._out.emit(ev.NamespaceWithdrawn(request_id=rec.request_id, namespace=full))
-
-    def _on_response_fin(self, rec: RequestRecord) -> None:
-        """The responder finished its half: final for TRACK_STATUS / errors, else an end."""
-        if rec.state is RequestState.PENDING:
-            rec.state = RequestState.FAILED
-            self._timers.cancel_request(rec.request_id)
-            self._out.emit(
-                ev.RequestFailed(
-                    request_id=rec.request_id,
-                    code=RequestErrorCode.INTERNAL_ERROR,
-                    reason="request stream ended before an answer",
-                )
-            )
-        elif (
-            rec.state is RequestState.ESTABLISHED and rec.kind is ev.RequestKind.SUBSCRIBE_NAMESPACE
-        ):
-            # d21 4.4: FIN of the response direction = every announced namespace ended
-            assert rec.namespace is not None
-            for suffix in sorted(rec.announced):
-                self._out.emit(
-                    ev.NamespaceWithdrawn(
-                        request_id=rec.request_id, namespace=rec.namespace + TrackNamespace(suffix)
-                    )
-                )
-            rec.announced.clear()
-            rec.state = RequestState.DONE
-        if not rec.local_fin:
-            self._out.write(rec.stream, fin=True)
-            rec.local_fin = True
 
     def _on_stream_aborted(self, event: StreamAborted, now: float) -> None:
         s = event.stream

@@ -1,0 +1,69 @@
+"""State and helpers shared by ``MoqtSession`` and the two halves of its request handling.
+
+Theory of operation
+-------------------
+A session's request handling splits by who opened the request stream
+(d21 section 6.4.2): :mod:`peer_requests` handles streams the peer opened (we
+are the responder), :mod:`own_requests` handles answers on streams we opened.
+Both are mixins of :class:`~kvcs_core.moqt.session.MoqtSession`; this base
+declares the state they share and the three helpers both use (refusing a
+request, cancelling a request stream, turning REQUEST_ERROR into an event).
+"""
+
+from __future__ import annotations
+
+from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.config import SessionConfig
+from kvcs_core.moqt.output import Output
+from kvcs_core.moqt.publishing import Publisher
+from kvcs_core.moqt.receiving import DataReceiver
+from kvcs_core.moqt.requests import RequestIdTracker, RequestRecord, RequestState
+from kvcs_core.moqt.timers import Deadlines
+from kvcs_core.moqt.transport_io import AbortKind, StreamRef
+from kvcs_core.wire import messages as m
+
+
+class SessionCore:
+    """Declarations of the session state the request-handling mixins use."""
+
+    config: SessionConfig
+    requests: dict[int, RequestRecord]
+    publisher: Publisher
+    receiver: DataReceiver
+    _out: Output
+    _timers: Deadlines
+    _peer_ids: RequestIdTracker
+    _by_stream: dict[StreamRef, RequestRecord]
+    _update_owner: dict[int, int]
+    _partial_requests: dict[StreamRef, m.ControlStreamDecoder]
+    _goaway_sent: bool
+
+    def _refuse(
+        self, rec: RequestRecord, code: int, reason: str, retry_interval_ms: int = 0
+    ) -> None:
+        self._out.send(
+            rec.stream,
+            m.RequestError(code, retry_interval_ms, reason.encode()[:1024]),
+            fin=True,
+        )
+        rec.local_fin = True
+        rec.state = RequestState.FAILED
+
+    def _abort_request_stream(self, rec: RequestRecord, code: int) -> None:
+        if not rec.local_fin:
+            self._out.abort(rec.stream, AbortKind.RESET, code)
+            rec.local_fin = True
+        if not rec.peer_fin:
+            self._out.abort(rec.stream, AbortKind.STOP_SENDING, code)
+
+    def _failed(
+        self, request_id: int, msg: m.RequestError, update_id: int | None
+    ) -> ev.RequestFailed:
+        return ev.RequestFailed(
+            request_id=request_id,
+            code=int(msg.error_code),
+            reason=msg.reason.decode("utf-8", "replace"),
+            retry_interval_ms=msg.retry_interval,
+            redirect=msg.redirect,
+            update_id=update_id,
+        )
