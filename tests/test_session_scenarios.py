@@ -335,3 +335,93 @@ def test_session_closed_events_are_final(chunking: str) -> None:
         assert len(closed) == 1 and closed[0].initiator is ev.Initiator.PEER
         assert s.is_closed
         assert s.get_timer() is None
+
+
+def test_publish_flows_before_and_after_publish_ok(chunking: str) -> None:
+    """PUBLISH (d21 9.8): objects flow at once with FORWARD 1; PUBLISH_DONE ends it."""
+    pair = Pair(CHUNKINGS[chunking])
+    pair.auto_accept = False
+    store = TrackStore(track("k.raw.s9"))
+    fill_store(store, range(1), 2)  # already there: not sent (Next Object on)
+    rid = pair.srv.publish(store, now=pair.now)
+    pair.net.poke(pair.srv)
+    store.append(1, 0, payload(1, 0))
+    pair.wait(lambda: pair.events(pair.cli, ev.PublishRequested))
+    req = pair.events(pair.cli, ev.PublishRequested)[0]
+    assert (req.request_id, req.track) == (rid, store.name)
+    assert req.params.get(p.LargestObject) == p.LargestObject(Location(0, 2))
+    pair.cli.accept_publish(rid, now=pair.now)
+    pair.net.poke(pair.cli)
+    store.append(1, 1, payload(1, 1))
+    store.append(1, 2, status=ObjectStatus.END_OF_GROUP)
+    pair.wait(lambda: pair.events(pair.srv, ev.RequestAccepted))
+    pair.settle(0.2)
+    got = [(e.location.group, e.location.object) for e in pair.objects(rid)]
+    assert got == [(1, 0), (1, 1), (1, 2)]
+    pair.srv.end_subscription(rid, PublishDoneCode.TRACK_ENDED, now=pair.now)
+    pair.net.poke(pair.srv)
+    pair.wait(lambda: pair.events(pair.cli, ev.PublishDoneReceived))
+    assert pair.events(pair.cli, ev.PublishDoneReceived)[0].stream_count == 1
+    _same_across_chunkings("publish", chunking, normalized(pair.net.events(pair.cli)))
+
+
+def test_publish_forward0_then_update_with_fill(chunking: str) -> None:
+    """Ambiguity A15: PUBLISH FORWARD 0, then RU{FORWARD 1, FILL} from the subscriber."""
+    pair = Pair(CHUNKINGS[chunking])
+    pair.auto_accept = False
+    store = TrackStore(track("k.raw.s3"))
+    fill_store(store, range(2), 2)
+    rid = pair.srv.publish(store, now=pair.now, forward=False)
+    pair.net.poke(pair.srv)
+    pair.wait(lambda: pair.events(pair.cli, ev.PublishRequested))
+    pair.cli.accept_publish(rid, now=pair.now)
+    uid = pair.cli.request_update(
+        rid,
+        p.Parameters.of(p.Forward(1), p.LocationFilter.next_object(),
+                        p.FillParameters(p.Parameters.of(p.LocationFilter.absolute_start(0, 0)))),
+        now=pair.now,
+    )
+    pair.net.poke(pair.cli)
+    pair.wait(lambda: pair.events(pair.cli, ev.RequestAccepted))
+    pair.settle(0.2)
+    store.append(2, 0, payload(2, 0))
+    pair.settle(0.2)
+    got = [(e.location.group, e.location.object, e.delivery, e.via_request_id)
+           for e in pair.objects(rid)]
+    assert got == [(0, 0, ev.Delivery.FILL, uid), (0, 1, ev.Delivery.FILL, uid),
+                   (1, 0, ev.Delivery.FILL, uid), (1, 1, ev.Delivery.FILL, uid),
+                   (2, 0, ev.Delivery.SUBSCRIPTION, rid)]
+
+
+def test_subscribe_tracks_yields_publish_and_skipped(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    pair.auto_accept = False
+    a = TrackStore(track("k.raw.s0"))
+    b = track("v.raw.s0")
+    rid = pair.cli.subscribe_tracks(NS, now=pair.now)
+    pair.net.poke(pair.cli)
+    pair.wait(lambda: pair.events(pair.srv, ev.SubscribeTracksRequested))
+    pair.srv.accept_request(rid, now=pair.now)
+    pub = pair.srv.publish(a, now=pair.now)
+    pair.srv.send_publish_skipped(rid, b, now=pair.now)
+    pair.net.poke(pair.srv)
+    pair.wait(lambda: pair.events(pair.cli, ev.PublishSkippedReceived))
+    pair.settle(0.1)
+    assert [e.track for e in pair.events(pair.cli, ev.PublishRequested)] == [a.name]
+    assert pair.events(pair.cli, ev.PublishRequested)[0].request_id == pub
+    assert [e.track for e in pair.events(pair.cli, ev.PublishSkippedReceived)] == [b]
+    accepted = pair.events(pair.cli, ev.RequestAccepted)
+    assert accepted[0].kind is ev.RequestKind.SUBSCRIBE_TRACKS
+
+
+def test_datagram_objects(chunking: str) -> None:
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("dgrams")))
+    rid = pair.cli.subscribe(store.name, now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    for o in range(5):
+        store.append(0, o, payload(0, o, 100), datagram=True)
+    pair.settle(0.2)
+    got = pair.objects(rid)
+    assert [(e.location.object, e.subgroup_id, bytes(e.payload)) for e in got] == [
+        (o, None, payload(0, o, 100)) for o in range(5)]

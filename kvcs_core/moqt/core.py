@@ -38,6 +38,16 @@ class SessionCore:
     _partial_requests: dict[StreamRef, m.ControlStreamDecoder]
     _goaway_sent: bool
 
+    # implemented by the mixins, used across them
+    def _take_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate) -> None:
+        raise NotImplementedError
+
+    def _on_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate, now: float) -> None:
+        raise NotImplementedError
+
+    def _on_publisher_message(self, rec: RequestRecord, msg: m.ControlMessage) -> bool:
+        raise NotImplementedError
+
     def _refuse(
         self, rec: RequestRecord, code: int, reason: str, retry_interval_ms: int = 0
     ) -> None:

@@ -258,6 +258,38 @@ class SubscribeNamespaceRequested:
 
 
 @attrs.frozen(kw_only=True)
+class PublishRequested:
+    """PUBLISH from the peer (d21 9.8): answer with accept_publish or reject_request.
+
+    Objects may already be flowing (unless FORWARD is 0): they arrive as
+    ObjectReceived events with this ``request_id``."""
+
+    request_id: int
+    track: FullTrackName
+    track_alias: int
+    params: Parameters
+    track_properties: KeyValuePairs
+
+
+@attrs.frozen(kw_only=True)
+class SubscribeTracksRequested:
+    """SUBSCRIBE_TRACKS from the peer (d21 9.18): accept_request, then publish(...) each
+    matching track, or send_publish_skipped for one that will not be published."""
+
+    request_id: int
+    prefix: TrackNamespace
+    params: Parameters
+
+
+@attrs.frozen(kw_only=True)
+class PublishSkippedReceived:
+    """PUBLISH_SKIPPED on our SUBSCRIBE_TRACKS: this track will not be PUBLISHed to us."""
+
+    request_id: int
+    track: FullTrackName
+
+
+@attrs.frozen(kw_only=True)
 class RequestUpdated:
     """The peer updated one of its requests; the session already answered it when it
     could apply the update itself (subscription parameters, fills)."""
@@ -294,6 +326,9 @@ SessionEvent = (
     | TrackStatusRequested
     | PublishNamespaceRequested
     | SubscribeNamespaceRequested
+    | PublishRequested
+    | SubscribeTracksRequested
+    | PublishSkippedReceived
     | RequestUpdated
     | RequestCancelled
 )

@@ -21,7 +21,7 @@ from kvcs_core.moqt.requests import MESSAGE_OF_KIND, RequestRecord, RequestState
 from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import MessageType, RequestErrorCode, SessionErrorCode
-from kvcs_core.wire.names import TrackNamespace
+from kvcs_core.wire.names import FullTrackName, TrackNamespace
 
 
 class OwnRequests(SessionCore):
@@ -44,6 +44,27 @@ class OwnRequests(SessionCore):
         if rec.state is RequestState.PENDING:
             self._on_first_answer(rec, msg)
             return
+        if rec.kind is ev.RequestKind.PUBLISH and isinstance(msg, m.RequestUpdate):
+            # the subscriber of our PUBLISH updates it (d21 9.5): same as a SUBSCRIBE's
+            m.check_request_update(msg, MessageType.PUBLISH)
+            self._take_peer_update(rec, msg)
+            self._on_peer_update(rec, msg, now)
+            return
+        if rec.kind is not ev.RequestKind.PUBLISH and self._on_publisher_message(rec, msg):
+            return
+        if rec.kind is ev.RequestKind.SUBSCRIBE_NAMESPACE and isinstance(
+            msg, m.Namespace | m.NamespaceDone
+        ):
+            self._on_namespace_message(rec, msg)
+            return
+        raise PeerViolation(
+            SessionErrorCode.PROTOCOL_VIOLATION,
+            f"{msg.TYPE.name} not expected on a {rec.kind.name} stream",
+        )
+
+    def _on_publisher_message(self, rec: RequestRecord, msg: m.ControlMessage) -> bool:
+        """What a publisher sends to the subscriber of a subscription (or any requester):
+        answers to our REQUEST_UPDATEs, PUBLISH_STATE_NOTIFY, PUBLISH_DONE. False if not one."""
         if isinstance(msg, m.RequestOk | m.RequestError):
             if not rec.pending_updates:
                 raise PeerViolation(
@@ -66,8 +87,9 @@ class OwnRequests(SessionCore):
                 )
             else:
                 self._out.emit(self._failed(rec.request_id, msg, update_id))
-            return
-        if rec.kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.PublishDone):
+            return True
+        subscription = rec.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH)
+        if subscription and isinstance(msg, m.PublishDone):
             rec.state = RequestState.DONE
             self._out.emit(
                 ev.PublishDoneReceived(
@@ -78,21 +100,22 @@ class OwnRequests(SessionCore):
                 )
             )
             self.receiver.request_finished(rec)
-            return
-        if rec.kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.PublishStateNotify):
+            return True
+        if subscription and isinstance(msg, m.PublishStateNotify):
             largest = msg.params.get(p.LargestObject)
             if largest is not None:
                 rec.largest = largest.location
-            return
-        if rec.kind is ev.RequestKind.SUBSCRIBE_NAMESPACE and isinstance(
-            msg, m.Namespace | m.NamespaceDone
-        ):
-            self._on_namespace_message(rec, msg)
-            return
-        raise PeerViolation(
-            SessionErrorCode.PROTOCOL_VIOLATION,
-            f"{msg.TYPE.name} not expected on a {rec.kind.name} stream",
-        )
+            return True
+        if rec.kind is ev.RequestKind.SUBSCRIBE_TRACKS and isinstance(msg, m.PublishSkipped):
+            assert rec.namespace is not None
+            self._out.emit(
+                ev.PublishSkippedReceived(
+                    request_id=rec.request_id,
+                    track=FullTrackName(rec.namespace + msg.suffix, msg.name),
+                )
+            )
+            return True
+        return False
 
     def _on_first_answer(self, rec: RequestRecord, msg: m.ControlMessage) -> None:
         self._timers.cancel_request(rec.request_id)
@@ -100,6 +123,8 @@ class OwnRequests(SessionCore):
             rec.state = RequestState.FAILED
             self._out.emit(self._failed(rec.request_id, msg, None))
             self.receiver.request_finished(rec)
+            if rec.kind is ev.RequestKind.PUBLISH:
+                self.publisher.cancel(rec)  # refused: stop the objects already flowing
             return
         kind = rec.kind
         if kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.SubscribeOk):

@@ -23,7 +23,7 @@ from kvcs_core.moqt.requests import MESSAGE_OF_KIND, REQUEST_KIND_OF, RequestRec
 from kvcs_core.moqt.transport_io import StreamData, StreamRef
 from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
-from kvcs_core.wire.codes import GroupOrder, RequestErrorCode, SessionErrorCode
+from kvcs_core.wire.codes import GroupOrder, MessageType, RequestErrorCode, SessionErrorCode
 from kvcs_core.wire.filters import invalid_filter_reason
 
 
@@ -131,10 +131,51 @@ class PeerRequests(SessionCore):
                     request_id=rec.request_id, prefix=msg.prefix, params=msg.params
                 )
             )
-        else:
-            # PUBLISH and SUBSCRIBE_TRACKS are answered NOT_SUPPORTED by this session for
-            # now (d21 section 12.3: limited endpoints SHOULD answer, not ignore).
-            self._refuse(rec, RequestErrorCode.NOT_SUPPORTED, f"{msg.TYPE.name} not supported")
+        elif isinstance(msg, m.SubscribeTracks):
+            rec.namespace = msg.prefix
+            rec.params = msg.params
+            if self._prefix_overlap(rec):
+                self._refuse(rec, RequestErrorCode.PREFIX_OVERLAP, "prefix overlaps another")
+                return
+            self._out.emit(
+                ev.SubscribeTracksRequested(
+                    request_id=rec.request_id, prefix=msg.prefix, params=msg.params
+                )
+            )
+        elif isinstance(msg, m.Publish):
+            self._on_peer_publish(rec, msg)
+
+    def _on_peer_publish(self, rec: RequestRecord, msg: m.Publish) -> None:
+        """PUBLISH (d21 9.8): objects may flow before our PUBLISH_OK unless FORWARD is 0."""
+        for other in self.requests.values():
+            if (
+                other is not rec
+                and not other.finished
+                and other.track_alias == msg.track_alias
+                and other.track != msg.track
+                and other.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH)
+                and (other.mine is (other.kind is ev.RequestKind.SUBSCRIBE))
+            ):
+                raise PeerViolation(
+                    SessionErrorCode.DUPLICATE_TRACK_ALIAS, f"Track Alias {msg.track_alias} in use"
+                )
+        rec.track = msg.track
+        rec.params = msg.params
+        rec.track_alias = msg.track_alias
+        order = msg.params.get(p.GroupOrderParam)
+        rec.group_order = order.order if order else GroupOrder.ASCENDING
+        largest = msg.params.get(p.LargestObject)
+        rec.largest = largest.location if largest else None
+        self.receiver.subscription_established(rec, msg.track_alias, msg.track_properties)
+        self._out.emit(
+            ev.PublishRequested(
+                request_id=rec.request_id,
+                track=msg.track,
+                track_alias=msg.track_alias,
+                params=msg.params,
+                track_properties=msg.track_properties,
+            )
+        )
 
     def _bad_filters(self, params: p.Parameters) -> str | None:
         """REQUEST_ERROR INVALID_FILTER reasons (d21 3.3.2; wire reference 5.5)."""
@@ -175,18 +216,15 @@ class PeerRequests(SessionCore):
     def _on_requester_message(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
         """A later message from the peer on a request stream it opened."""
         if isinstance(msg, m.RequestUpdate):
+            if rec.kind is ev.RequestKind.PUBLISH:
+                # Ambiguity A23: the PUBLISH sender may update (token only); accept it
+                m.check_request_update(msg, MessageType.PUBLISH, from_publisher=True)
+                self._take_peer_update(rec, msg)
+                rec.pending_updates.pop()
+                self._out.send(rec.stream, m.RequestOk(p.Parameters()))
+                return
             m.check_request_update(msg, MESSAGE_OF_KIND[rec.kind])
-            if not self._peer_ids.accept(msg.request_id):
-                raise PeerViolation(
-                    SessionErrorCode.INVALID_REQUEST_ID, f"bad Request ID {msg.request_id}"
-                )
-            rec.pending_updates.append(msg.request_id)
-            limit = self.config.max_request_updates
-            if limit and len(rec.pending_updates) > limit:
-                raise PeerViolation(
-                    SessionErrorCode.TOO_MANY_REQUEST_UPDATES, "too many REQUEST_UPDATEs"
-                )
-            self._update_owner[msg.request_id] = rec.request_id
+            self._take_peer_update(rec, msg)
             self._on_peer_update(rec, msg, now)
         elif isinstance(msg, m.Goaway):
             if rec.goaway_seen:
@@ -199,11 +237,27 @@ class PeerRequests(SessionCore):
                     request_id=rec.request_id,
                 )
             )
+        elif rec.kind is ev.RequestKind.PUBLISH and self._on_publisher_message(rec, msg):
+            return  # we subscribe to the peer's PUBLISH: its answers, notifications, done
         else:
             raise PeerViolation(
                 SessionErrorCode.PROTOCOL_VIOLATION,
                 f"{msg.TYPE.name} from the requester of a {rec.kind.name}",
             )
+
+    def _take_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate) -> None:
+        """Count a peer REQUEST_UPDATE: its ID (d21 6.4.2.1) and MAX_REQUEST_UPDATES (9.5)."""
+        if not self._peer_ids.accept(msg.request_id):
+            raise PeerViolation(
+                SessionErrorCode.INVALID_REQUEST_ID, f"bad Request ID {msg.request_id}"
+            )
+        rec.pending_updates.append(msg.request_id)
+        limit = self.config.max_request_updates
+        if limit and len(rec.pending_updates) > limit:
+            raise PeerViolation(
+                SessionErrorCode.TOO_MANY_REQUEST_UPDATES, "too many REQUEST_UPDATEs"
+            )
+        self._update_owner[msg.request_id] = rec.request_id
 
     def _on_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate, now: float) -> None:
         update_id = rec.pending_updates.popleft()
@@ -217,7 +271,7 @@ class PeerRequests(SessionCore):
                 ),
             )
             return
-        if rec.kind is ev.RequestKind.SUBSCRIBE:
+        if rec.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH):
             bad = self._bad_filters(msg.params)
             if bad is not None:
                 self._out.send(

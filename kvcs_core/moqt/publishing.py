@@ -210,6 +210,27 @@ class Publisher:
             self._open_fill(served, rec.request_id, fill.params, largest)
         served.listener = store.subscribe_listener(lambda obj: self._on_object(served, obj))
 
+    def start_publish(self, rec: RequestRecord, store: TrackStore, now: float, alias: int) -> None:
+        """Our PUBLISH: objects from the Next Object on, once forwarding (d21 9.8)."""
+        self.now = now
+        params = rec.params
+        fwd = params.get(p.Forward)
+        served = _Served(
+            rec=rec,
+            store=store,
+            priority=128,
+            group_order=store.group_order,
+            forward=fwd is None or fwd.value == 1,
+            alias=alias,
+        )
+        served.window = subscription_window(p.LocationFilter.next_object(), store.largest)
+        self._served[rec.request_id] = served
+        served.listener = store.subscribe_listener(lambda obj: self._on_object(served, obj))
+
+    def take_alias(self) -> int:
+        """A Track Alias not used by this session yet."""
+        return self._take_alias()
+
     def accept_fetch(self, rec: RequestRecord, store: TrackStore, now: float) -> bool:
         self.now = now
         params = rec.params

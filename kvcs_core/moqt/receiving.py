@@ -210,7 +210,7 @@ class DataReceiver:
             st.request, st.delivery = rec, Delivery.FILL
         elif rid in self._update_owner or rid in self._fill_orders:
             owner = self._requests.get(self._update_owner.get(rid, -1))
-            if owner is not None and owner.mine and owner.kind is RequestKind.SUBSCRIBE:
+            if owner is not None and _we_subscribe(owner):
                 st.request, st.delivery = owner, Delivery.FILL
         st.via_request_id = rid
         if st.request is None or st.request.finished:
@@ -324,6 +324,13 @@ class DataReceiver:
                 reset_code=reset_code,
             )
         )
+
+
+def _we_subscribe(rec: RequestRecord) -> bool:
+    """Our SUBSCRIBE, or the peer's PUBLISH (we are its subscriber)."""
+    return (rec.kind is RequestKind.SUBSCRIBE and rec.mine) or (
+        rec.kind is RequestKind.PUBLISH and not rec.mine
+    )
 
 
 def _fill_order(fill: p.FillParameters, default: GroupOrder) -> GroupOrder:

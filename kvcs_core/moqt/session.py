@@ -321,30 +321,42 @@ class MoqtSession(PeerRequests, OwnRequests):
         )
 
     def request_update(self, request_id: int, params: p.Parameters, *, now: float) -> int:
-        """REQUEST_UPDATE on one of our requests (d21 section 9.5); returns its own Request ID."""
+        """REQUEST_UPDATE (d21 section 9.5) on one of our requests, or on a subscription the
+        peer created with PUBLISH; returns the update's own Request ID."""
         self._advance(now)
         self._check_ready()
-        rec = self._mine(request_id)
+        rec = self._updatable(request_id)
         if rec.finished:
             raise LocalProtocolError(f"request {request_id} is finished")
-        update_id = self._take_request_id()
-        msg = m.RequestUpdate(update_id, params)
-        m.check_request_update(msg, MESSAGE_OF_KIND[rec.kind])  # raises CodecError on misuse
+        msg = m.RequestUpdate(self._next_request_id, params)
+        try:
+            m.check_request_update(msg, MESSAGE_OF_KIND[rec.kind])
+        except CodecError as e:
+            raise LocalProtocolError(f"REQUEST_UPDATE not allowed here: {e.reason}") from None
         limit = self.peer_max_request_updates
         if limit and len(rec.pending_updates) >= limit:
             raise LocalProtocolError(f"peer accepts at most {limit} unanswered updates")
+        update_id = self._take_request_id()
         rec.pending_updates.append(update_id)
         self._update_owner[update_id] = request_id
         self._out.send(rec.stream, msg)
-        if rec.kind is ev.RequestKind.SUBSCRIBE:
+        if rec.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH):
             self.receiver.note_update(rec, update_id, params)
         return update_id
+
+    def _updatable(self, request_id: int) -> RequestRecord:
+        rec = self.requests.get(request_id)
+        if rec is not None and not rec.mine and rec.kind is ev.RequestKind.PUBLISH:
+            return rec  # we are the subscriber of the peer's PUBLISH
+        if rec is not None and rec.mine and rec.kind is ev.RequestKind.PUBLISH:
+            raise LocalProtocolError("only the subscriber updates a PUBLISH subscription")
+        return self._mine(request_id)
 
     def cancel(self, request_id: int, *, now: float) -> None:
         """Cancel one of our requests: reset our half, STOP_SENDING theirs (d21 6.4.2.3)."""
         self._advance(now)
         self._check_open()
-        rec = self._mine(request_id)
+        rec = self._updatable(request_id)
         if rec.finished:
             return
         self._abort_request_stream(rec, StreamResetCode.CANCELLED)
@@ -422,7 +434,10 @@ class MoqtSession(PeerRequests, OwnRequests):
         if rec.kind not in _NAMESPACE_KINDS:
             raise LocalProtocolError(f"use the dedicated accept_* for {rec.kind.name}")
         msg = m.RequestOk(p.Parameters(params))
-        m.check_request_ok(msg, MESSAGE_OF_KIND[rec.kind])
+        try:
+            m.check_request_ok(msg, MESSAGE_OF_KIND[rec.kind])
+        except CodecError as e:
+            raise LocalProtocolError(f"parameter not allowed here: {e.reason}") from None
         self._out.send(rec.stream, msg)
         rec.state = RequestState.ESTABLISHED
 
@@ -459,11 +474,89 @@ class MoqtSession(PeerRequests, OwnRequests):
     def end_subscription(
         self, request_id: int, status: int, reason: str = "", *, now: float
     ) -> None:
-        """End a subscription we serve: close its streams, PUBLISH_DONE, FIN (d21 9.9)."""
+        """End a subscription we serve (a peer's SUBSCRIBE or our PUBLISH): let queued
+        objects drain, FIN every stream, then PUBLISH_DONE and FIN (d21 9.9)."""
         self._advance(now)
-        rec = self._peer_established(request_id, ev.RequestKind.SUBSCRIBE)
+        self._check_ready()
+        rec = self.requests.get(request_id)
+        served = rec is not None and (
+            (rec.kind is ev.RequestKind.SUBSCRIBE and not rec.mine)
+            or (rec.kind is ev.RequestKind.PUBLISH and rec.mine)
+        )
+        if (
+            rec is None
+            or not served
+            or (
+                rec.state is not RequestState.ESTABLISHED
+                and not (rec.mine and rec.state is RequestState.PENDING)
+            )
+        ):
+            raise LocalProtocolError(f"no subscription {request_id} served by us")
         self.publisher.end_subscription(rec, status, reason)
         rec.state = RequestState.DONE
+
+    def publish(
+        self,
+        store: TrackStore,
+        *,
+        now: float,
+        forward: bool = True,
+        track_alias: int | None = None,
+        extra: Iterable[p.Parameter] = (),
+    ) -> int:
+        """PUBLISH (d21 9.8): offer ``store``'s track to the peer. Objects from the Next
+        Object on flow at once when ``forward`` (even before PUBLISH_OK); with
+        ``forward=False`` the subscriber starts them with a REQUEST_UPDATE (Ambiguity A15).
+        GROUP_ORDER and FORWARD are written explicitly (d21 9.18.1)."""
+        items: list[p.Parameter] = [
+            p.Forward(1 if forward else 0),
+            p.GroupOrderParam(store.group_order),
+            *extra,
+        ]
+        if store.largest is not None:
+            items.append(p.LargestObject(store.largest))
+        params = p.Parameters(items)
+        alias = track_alias if track_alias is not None else self.publisher.take_alias()
+        rid = self._send_request(
+            ev.RequestKind.PUBLISH,
+            lambda rid: m.Publish(
+                rid, store.name.namespace, store.name.name, alias, params, store.track_properties
+            ),
+            now,
+            track=store.name,
+            params=params,
+            group_order=store.group_order,
+        )
+        rec = self.requests[rid]
+        rec.track_alias = alias
+        self.publisher.start_publish(rec, store, now, alias)
+        return rid
+
+    def accept_publish(self, request_id: int, *, now: float, expires_ms: int | None = None) -> None:
+        """PUBLISH_OK (REQUEST_OK answering PUBLISH, only EXPIRES allowed; d21 9.3)."""
+        self._advance(now)
+        rec = self._peer_pending(request_id, ev.RequestKind.PUBLISH)
+        items = [p.Expires(expires_ms)] if expires_ms else []
+        self._out.send(rec.stream, m.RequestOk(p.Parameters(items)))
+        rec.state = RequestState.ESTABLISHED
+
+    def subscribe_tracks(self, prefix: TrackNamespace, *, now: float, forward: bool = True) -> int:
+        """SUBSCRIBE_TRACKS (d21 9.18): the peer PUBLISHes every matching track to us."""
+        items = [] if forward else [p.Forward(0)]
+        return self._send_request(
+            ev.RequestKind.SUBSCRIBE_TRACKS,
+            lambda rid: m.SubscribeTracks(rid, prefix, p.Parameters(items)),
+            now,
+            namespace=prefix,
+        )
+
+    def send_publish_skipped(self, request_id: int, track: FullTrackName, *, now: float) -> None:
+        """PUBLISH_SKIPPED (d21 9.19) on an accepted SUBSCRIBE_TRACKS."""
+        self._advance(now)
+        rec = self._peer_established(request_id, ev.RequestKind.SUBSCRIBE_TRACKS)
+        assert rec.namespace is not None
+        suffix = track.namespace.suffix_after(rec.namespace)
+        self._out.send(rec.stream, m.PublishSkipped(suffix, track.name))
 
     # ------------------------------------------------------------------ internals: requests
 
@@ -747,6 +840,8 @@ class MoqtSession(PeerRequests, OwnRequests):
         if rec.mine:
             rec.state = RequestState.FAILED
             self._timers.cancel_request(rec.request_id)
+            if rec.kind is ev.RequestKind.PUBLISH:
+                self.publisher.cancel(rec)  # the subscriber of our PUBLISH cancelled
             self._out.emit(
                 ev.RequestFailed(
                     request_id=rec.request_id,
