@@ -13,6 +13,7 @@ request, cancelling a request stream, turning REQUEST_ERROR into an event).
 from __future__ import annotations
 
 from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.auth import TokenCache
 from kvcs_core.moqt.config import SessionConfig
 from kvcs_core.moqt.output import Output
 from kvcs_core.moqt.publishing import Publisher
@@ -37,6 +38,7 @@ class SessionCore:
     _update_owner: dict[int, int]
     _partial_requests: dict[StreamRef, m.ControlStreamDecoder]
     _goaway_sent: bool
+    tokens: TokenCache
 
     # implemented by the mixins, used across them
     def _take_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate) -> None:

@@ -66,6 +66,9 @@ class PeerRequests(SessionCore):
         )
         self.requests[rid] = rec
         self._by_stream[s] = rec
+        first_params: p.Parameters | None = getattr(first, "params", None)
+        if first_params is not None:
+            rec.tokens = self.tokens.resolve(first_params.all(p.AuthorizationToken))
         self._on_peer_request(rec, first, now)
         for msg in msgs[1:]:
             self._on_requester_message(rec, msg, now)
@@ -258,6 +261,9 @@ class PeerRequests(SessionCore):
                 SessionErrorCode.TOO_MANY_REQUEST_UPDATES, "too many REQUEST_UPDATEs"
             )
         self._update_owner[msg.request_id] = rec.request_id
+        presented = self.tokens.resolve(msg.params.all(p.AuthorizationToken))
+        if presented:
+            rec.tokens = presented
 
     def _on_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate, now: float) -> None:
         update_id = rec.pending_updates.popleft()

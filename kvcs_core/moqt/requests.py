@@ -83,6 +83,9 @@ class RequestRecord:
     peer_fin: bool = False
     local_fin: bool = False
     goaway_seen: bool = False
+    tokens: tuple[tuple[int, bytes], ...] = ()
+    """Authorization tokens the peer presented with this request (type, value), aliases
+    resolved (d21 section 8.9)."""
     announced: set[tuple[bytes, ...]] = attrs.field(factory=set)
     """SUBSCRIBE_NAMESPACE: suffixes announced and not yet withdrawn."""
 

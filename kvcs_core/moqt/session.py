@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.auth import TokenCache
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.errors import LocalProtocolError, PeerViolation
 from kvcs_core.moqt.output import Output
@@ -117,6 +118,10 @@ class MoqtSession(PeerRequests, OwnRequests):
         """Every unidirectional stream the peer opened (control and data)."""
         self._partial_requests: dict[StreamRef, m.ControlStreamDecoder] = {}
         """Peer bidi streams whose first message is still incomplete."""
+        self.tokens = TokenCache(config.max_auth_token_cache_size)
+        """Aliases of authorization tokens the peer registered (d21 section 8.9)."""
+        self.setup_tokens: tuple[tuple[int, bytes], ...] = ()
+        """Tokens the peer presented in its SETUP (type, value)."""
         self.publisher = Publisher(self._out, config)
         self.receiver = DataReceiver(self._out, config, self.requests, self._update_owner)
 
@@ -787,6 +792,7 @@ class MoqtSession(PeerRequests, OwnRequests):
             raise PeerViolation(SessionErrorCode.INVALID_PATH, "PATH from a server")
         if self.config.role is Role.CLIENT and setup.authority is not None:
             raise PeerViolation(SessionErrorCode.INVALID_AUTHORITY, "AUTHORITY from a server")
+        self.setup_tokens = self.tokens.resolve(setup.authorization_tokens, in_setup=True)
         self._peer_setup = setup
         if self._started:
             self._setup_done()
