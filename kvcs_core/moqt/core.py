@@ -40,6 +40,16 @@ class SessionCore:
     _goaway_sent: bool
     tokens: TokenCache
 
+    def _run_deferred_updates(self, rec: RequestRecord, now: float) -> None:
+        """Answer REQUEST_UPDATEs that arrived before the request's own answer."""
+        deferred, rec.deferred_updates = rec.deferred_updates, []
+        for msg in deferred:
+            assert isinstance(msg, m.RequestUpdate)
+            if rec.finished:
+                rec.pending_updates.clear()
+                return
+            self._on_peer_update(rec, msg, now)
+
     # implemented by the mixins, used across them
     def _take_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate) -> None:
         raise NotImplementedError
@@ -51,11 +61,14 @@ class SessionCore:
         raise NotImplementedError
 
     def _refuse(
-        self, rec: RequestRecord, code: int, reason: str, retry_interval_ms: int = 0
+        self, rec: RequestRecord, code: int, reason: str, retry_after_ms: int | None = None
     ) -> None:
         self._out.send(
             rec.stream,
-            m.RequestError(code, retry_interval_ms, reason.encode()[:1024]),
+            # d21 9.4.2: Retry Interval is the minimum delay in ms plus one; 0 = do not retry
+            m.RequestError(
+                code, 0 if retry_after_ms is None else retry_after_ms + 1, reason.encode()[:1024]
+            ),
             fin=True,
         )
         rec.local_fin = True
@@ -75,7 +88,7 @@ class SessionCore:
             request_id=request_id,
             code=int(msg.error_code),
             reason=msg.reason.decode("utf-8", "replace"),
-            retry_interval_ms=msg.retry_interval,
+            retry_interval_ms=msg.retry_interval - 1 if msg.retry_interval else None,
             redirect=msg.redirect,
             update_id=update_id,
         )

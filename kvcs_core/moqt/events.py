@@ -134,7 +134,8 @@ class RequestFailed:
     request_id: int
     code: int
     reason: str
-    retry_interval_ms: int = 0
+    retry_interval_ms: int | None = None
+    """Minimum delay before retrying unchanged, in ms; None: do not retry as sent (d21 9.4.2)."""
     redirect: Redirect | None = None
     update_id: int | None = None
 

@@ -83,7 +83,7 @@ class PeerRequests(SessionCore):
                 rec,
                 RequestErrorCode.EXCESSIVE_LOAD,
                 "too many requests",
-                self.config.retry_interval_ms + 1,
+                self.config.retry_interval_ms,
             )
             return
         if self._goaway_sent:
@@ -266,15 +266,17 @@ class PeerRequests(SessionCore):
             rec.tokens = presented
 
     def _on_peer_update(self, rec: RequestRecord, msg: m.RequestUpdate, now: float) -> None:
+        if rec.state is RequestState.PENDING:
+            # answers match by order: this one must follow the request's own answer
+            rec.deferred_updates.append(msg)
+            return
         update_id = rec.pending_updates.popleft()
-        if rec.state is not RequestState.ESTABLISHED and rec.kind is not ev.RequestKind.FETCH:
-            # Updates are applied to established requests only; one that overtakes the
-            # answer to its request is refused (the request itself is unaffected).
+        if rec.finished:
+            return  # the request ended (refused, cancelled): nothing to answer on
+        if rec.state is not RequestState.ESTABLISHED:
             self._out.send(
                 rec.stream,
-                m.RequestError(
-                    RequestErrorCode.NOT_SUPPORTED, 0, b"update before the request was answered"
-                ),
+                m.RequestError(RequestErrorCode.NOT_SUPPORTED, 0, b"request not established"),
             )
             return
         if rec.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH):

@@ -83,6 +83,9 @@ class RequestRecord:
     peer_fin: bool = False
     local_fin: bool = False
     goaway_seen: bool = False
+    deferred_updates: list[object] = attrs.field(factory=list)
+    """Peer REQUEST_UPDATEs that arrived before we answered the request itself: they are
+    answered after it, because answers are matched by order (wire reference 4.4)."""
     tokens: tuple[tuple[int, bytes], ...] = ()
     """Authorization tokens the peer presented with this request (type, value), aliases
     resolved (d21 section 8.9)."""

@@ -227,7 +227,8 @@ class MoqtSession(PeerRequests, OwnRequests):
         if self._peer_setup is None:
             self._timers.set(TimerKind.SETUP, now + cfg.setup_timeout)
         else:
-            self._setup_done()
+            # replaying buffered peer input may find a violation: same choke point
+            self._guard(self._setup_done, now)
 
     def subscribe(
         self,
@@ -406,6 +407,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         rec = self._peer_pending(request_id, ev.RequestKind.SUBSCRIBE)
         rec.state = RequestState.ESTABLISHED
         self.publisher.accept_subscribe(rec, store, now, track_alias, expires_ms)
+        self._answered(rec, now)
 
     def accept_fetch(self, request_id: int, store: TrackStore, *, now: float) -> None:
         """Serve a FETCH from ``store``: FETCH_OK, then the objects on a fetch stream."""
@@ -415,6 +417,7 @@ class MoqtSession(PeerRequests, OwnRequests):
             rec.state = RequestState.ESTABLISHED
         else:
             rec.state = RequestState.FAILED
+        self._answered(rec, now)
 
     def accept_track_status(self, request_id: int, store: TrackStore, *, now: float) -> None:
         """TRACK_STATUS_OK with LARGEST_OBJECT and Track Properties, then FIN (d21 9.13)."""
@@ -429,6 +432,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         )
         rec.local_fin = True
         rec.state = RequestState.DONE
+        self._answered(rec, now)
 
     def accept_request(
         self, request_id: int, *, now: float, params: Iterable[p.Parameter] = ()
@@ -445,6 +449,7 @@ class MoqtSession(PeerRequests, OwnRequests):
             raise LocalProtocolError(f"parameter not allowed here: {e.reason}") from None
         self._out.send(rec.stream, msg)
         rec.state = RequestState.ESTABLISHED
+        self._answered(rec, now)
 
     def reject_request(
         self,
@@ -453,12 +458,13 @@ class MoqtSession(PeerRequests, OwnRequests):
         reason: str = "",
         *,
         now: float,
-        retry_interval_ms: int = 0,
+        retry_interval_ms: int | None = None,
     ) -> None:
         """REQUEST_ERROR, then FIN (d21 sections 9.4 and 6.4.2.2)."""
         self._advance(now)
         rec = self._peer_pending(request_id)
         self._refuse(rec, code, reason, retry_interval_ms)
+        self._answered(rec, now)
 
     def send_namespace(self, request_id: int, suffix: TrackNamespace, *, now: float) -> None:
         """NAMESPACE on an accepted SUBSCRIBE_NAMESPACE (d21 section 9.16)."""
@@ -544,6 +550,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         items = [p.Expires(expires_ms)] if expires_ms else []
         self._out.send(rec.stream, m.RequestOk(p.Parameters(items)))
         rec.state = RequestState.ESTABLISHED
+        self._answered(rec, now)
 
     def subscribe_tracks(self, prefix: TrackNamespace, *, now: float, forward: bool = True) -> int:
         """SUBSCRIBE_TRACKS (d21 9.18): the peer PUBLISHes every matching track to us."""
@@ -564,6 +571,11 @@ class MoqtSession(PeerRequests, OwnRequests):
         self._out.send(rec.stream, m.PublishSkipped(suffix, track.name))
 
     # ------------------------------------------------------------------ internals: requests
+
+    def _answered(self, rec: RequestRecord, now: float) -> None:
+        """The request got its answer: now the updates that overtook it (wire ref. 4.4)."""
+        if rec.deferred_updates:
+            self._guard(lambda: self._run_deferred_updates(rec, now), now)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -664,7 +676,7 @@ class MoqtSession(PeerRequests, OwnRequests):
                 ev.SessionClosed(code=event.code, reason=event.reason, initiator=initiator)
             )
             return
-        if self._peer_setup is None and not self._is_control_event(event):
+        if not self.setup_complete and not self._is_control_event(event):
             self._buffer_pre_setup(event)
             return
         if isinstance(event, StreamOpened):
@@ -688,6 +700,8 @@ class MoqtSession(PeerRequests, OwnRequests):
         return False
 
     def _buffer_pre_setup(self, event: TransportEvent) -> None:
+        if isinstance(event, DatagramReceived):
+            return  # unreliable anyway: a datagram before SETUP is dropped, not buffered
         if isinstance(event, StreamData):
             self._pre_setup_bytes += len(event.data)
             if self._pre_setup_bytes > self.config.max_pre_setup_bytes:
@@ -747,7 +761,7 @@ class MoqtSession(PeerRequests, OwnRequests):
             self._control_in = s
             self._on_control_bytes(data, event.fin, now)
             return
-        if self._peer_setup is None:
+        if not self.setup_complete:
             # data stream before SETUP: keep it for replay (d21 section 6.3)
             self._buffer_pre_setup(StreamOpened(stream=s, uni=True))
             self._buffer_pre_setup(StreamData(stream=s, data=data, fin=event.fin))
