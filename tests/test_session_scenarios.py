@@ -425,3 +425,16 @@ def test_datagram_objects(chunking: str) -> None:
     got = pair.objects(rid)
     assert [(e.location.object, e.subgroup_id, bytes(e.payload)) for e in got] == [
         (o, None, payload(0, o, 100)) for o in range(5)]
+
+
+def test_subgroup_delivery_timeout_resets_a_slow_complete_subgroup() -> None:
+    """SUBGROUP_DELIVERY_TIMEOUT runs from when the subgroup is known complete (d21 5.2)."""
+    pair = Pair(bandwidth=20_000)
+    store = pair.serve(TrackStore(track("k.raw.s2")))
+    rid = pair.cli.subscribe(store.name, now=pair.now, extra=[p.SubgroupDeliveryTimeout(300)])
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    fill_store(store, range(1), 20, size=1000)  # 20 kB + End of Group: ~1 s at 20 kB/s
+    pair.settle(3.0)
+    assert 0 < len(pair.objects(rid)) < 21
+    ended = pair.events(pair.cli, ev.DataStreamEnded)
+    assert [e.reset_code for e in ended] == [StreamResetCode.DELIVERY_TIMEOUT]

@@ -47,6 +47,9 @@ class SessionConfig:
     request_timeout: float = 30.0
     """A request of ours unanswered this long -> close CONTROL_MESSAGE_TIMEOUT (d21 12.2)."""
 
+    max_control_message_size: int = 65535
+    """Largest control message body we accept (the wire allows 65535). A larger Length
+    -> close PROTOCOL_VIOLATION before the body is buffered."""
     max_concurrent_peer_requests: int = 1024
     """Requests the peer may have open on this session at once (each holds state).
     More -> REQUEST_ERROR EXCESSIVE_LOAD with a Retry Interval (d21 section 9.1)."""

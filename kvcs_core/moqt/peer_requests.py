@@ -31,7 +31,7 @@ class PeerRequests(SessionCore):
     """Mixin: the responder side of request streams."""
 
     def _new_peer_request_stream(self, s: StreamRef, event: StreamData, now: float) -> None:
-        decoder = m.ControlStreamDecoder()
+        decoder = m.ControlStreamDecoder(self.config.max_control_message_size)
         msgs = decoder.feed(event.data)
         if not msgs:
             if event.fin:

@@ -106,6 +106,8 @@ class _Served:
     ending: tuple[int, str] | None = None
     current_group: int | None = None
     done: bool = False
+    subgroup_timeout: float | None = None
+    """Effective SUBGROUP_DELIVERY_TIMEOUT in seconds (d21 section 5.2), None = none."""
     object_timeout: float | None = None
     """Effective OBJECT_DELIVERY_TIMEOUT in seconds (d21 section 5.2), None = none."""
     timed_out: set[tuple[int, int]] = attrs.field(factory=set)
@@ -129,6 +131,9 @@ class _Sender:
     finished: bool = False
     group_id: int = 0
     subgroup_id: int = 0
+    complete_at: float | None = None
+    """When the subgroup became known complete (its End of Group / End of Track object
+    was queued, or a later group started): SUBGROUP_DELIVERY_TIMEOUT runs from here."""
     filters: RangeFilterSet | None = None
     """Range filters for a cursor sender (fill/fetch); None: the served request's."""
 
@@ -137,12 +142,17 @@ _ABANDONED = _Sender(sid=-1, kind=_Kind.SUBGROUP, served=None, finished=True)  #
 """Stands in for a subgroup reset after a delivery timeout: objects offered to it are dropped."""
 
 
-def _delivery_timeout(params: p.Parameters, store: TrackStore) -> float | None:
-    """min(subscriber, publisher) OBJECT_DELIVERY_TIMEOUT when both are non-zero (d21 5.2)."""
-    sub = params.get(p.ObjectDeliveryTimeout)
+def _delivery_timeout(
+    params: p.Parameters,
+    store: TrackStore,
+    param: type[p.ObjectDeliveryTimeout | p.SubgroupDeliveryTimeout] = p.ObjectDeliveryTimeout,
+    prop_type: PropertyType = PropertyType.OBJECT_DELIVERY_TIMEOUT,
+) -> float | None:
+    """min(subscriber, publisher) delivery timeout when both are non-zero (d21 5.2)."""
+    sub = params.get(param)
     values = [sub.ms] if sub is not None and sub.ms else []
     for prop in store.track_properties:
-        is_timeout = prop.type == PropertyType.OBJECT_DELIVERY_TIMEOUT
+        is_timeout = prop.type == prop_type
         if is_timeout and isinstance(prop.value, int) and prop.value:
             values.append(prop.value)
     return min(values) / 1000 if values else None
@@ -193,6 +203,9 @@ class Publisher:
             alias=alias,
         )
         served.object_timeout = _delivery_timeout(params, store)
+        served.subgroup_timeout = _delivery_timeout(
+            params, store, p.SubgroupDeliveryTimeout, PropertyType.SUBGROUP_DELIVERY_TIMEOUT
+        )
         # Ambiguity A27: window and fill range against one Largest Object, in one step.
         largest = store.largest
         served.window = subscription_window(params.get(p.LocationFilter), largest)
@@ -326,6 +339,12 @@ class Publisher:
         """Expire queued objects past their OBJECT_DELIVERY_TIMEOUT (d21 section 5.2)."""
         self.now = now
         for sender in list(self._senders.values()):
+            sg_timeout = sender.served.subgroup_timeout
+            done_at = sender.complete_at
+            if sg_timeout is not None and done_at is not None and now - done_at > sg_timeout:
+                sender.served.timed_out.add((sender.group_id, sender.subgroup_id))
+                self._abort_sender(sender, StreamResetCode.DELIVERY_TIMEOUT)
+                continue
             timeout = sender.served.object_timeout
             if timeout is None or not sender.enqueued:
                 continue
@@ -337,6 +356,10 @@ class Publisher:
         """When the oldest queued object of a subscription with a delivery timeout expires."""
         best: float | None = None
         for sender in self._senders.values():
+            sg_timeout = sender.served.subgroup_timeout
+            if sg_timeout is not None and sender.complete_at is not None:
+                at = sender.complete_at + sg_timeout + 1e-6
+                best = at if best is None or at < best else best
             timeout = sender.served.object_timeout
             if timeout is not None and sender.enqueued:
                 # strictly after the timeout: the check is "older than", not "as old as"
@@ -502,6 +525,8 @@ class Publisher:
             for key, sender in list(served.senders.items()):
                 if key[0] != group:
                     sender.fin_when_drained = True
+                    if sender.complete_at is None:
+                        sender.complete_at = self.now
                     self._reschedule(sender)
         served.current_group = group
         if obj.datagram:
@@ -512,6 +537,8 @@ class Publisher:
             return  # a subgroup abandoned after a delivery timeout
         sender.queue.append(obj)
         sender.enqueued.append(self.now)
+        if obj.status is not ObjectStatus.NORMAL and sender.complete_at is None:
+            sender.complete_at = self.now  # the subgroup is complete: its timer starts
         served.queued_bytes += obj.payload.nbytes
         self._reschedule(sender)
         if served.queued_bytes > self._config.max_queued_bytes_per_subscription:

@@ -100,7 +100,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         self._peer_setup: m.Setup | None = None
         self._control_out: StreamRef | None = None
         self._control_in: StreamRef | None = None
-        self._control_decoder = m.ControlStreamDecoder()
+        self._control_decoder = m.ControlStreamDecoder(config.max_control_message_size)
         self._uni_pending: dict[StreamRef, bytearray] = {}
         """Peer uni streams whose type is not known yet (first vi64 incomplete)."""
         self._pre_setup: list[TransportEvent] = []
@@ -628,6 +628,7 @@ class MoqtSession(PeerRequests, OwnRequests):
             stream=stream,
             mine=True,
             opened_at=now,
+            decoder=m.ControlStreamDecoder(self.config.max_control_message_size),
             track=track,
             namespace=namespace,
             params=params or p.Parameters(),
