@@ -644,3 +644,133 @@ def test_identical_inputs_and_seeds_give_identical_logs() -> None:
     one = _scenario(7)
     assert one == _scenario(7)
     assert one != _scenario(8)
+
+
+# --- zero copy, bytes in flight ---------------------------------------------------------------
+
+
+def _write_chunks(a: Peer, ref: StreamRef, *chunks: bytes | memoryview, fin: bool = False) -> None:
+    a._cmds.append(WriteStream(stream=ref, chunks=chunks, fin=fin))
+
+
+def test_default_link_copies_writes_so_writers_may_reuse_buffers() -> None:
+    net, a, b, _ = pair()
+    r = a.open(uni=True)
+    buf = bytearray(b"payload")
+    _write_chunks(a, r, b"hd", memoryview(buf), fin=True)
+    net.poke(a)
+    buf[:] = b"changed"  # allowed on a copying link
+    net.run_until_idle()
+    data = [ev.data for _, ev in b.got if isinstance(ev, StreamData)]
+    assert len(data) == 1 and type(data[0]) is bytes and data[0] == b"hdpayload"
+
+
+def test_zero_copy_hands_the_writers_buffers_to_the_receiver() -> None:
+    net, a, b, link = pair(zero_copy=True)
+    assert link.zero_copy
+    r = a.open(uni=True)
+    header, payload = b"hd", bytearray(b"payload")
+    _write_chunks(a, r, header, b"", memoryview(payload), fin=True)
+    net.run_until_idle()
+    got = [ev for _, ev in b.got if isinstance(ev, StreamData)]
+    # Chunking.WHOLE: one event per non-empty chunk, nothing joined, FIN on the last
+    assert [(bytes(ev.data), ev.fin) for ev in got] == [(b"hd", False), (b"payload", True)]
+    assert got[0].data is header
+    assert isinstance(got[1].data, memoryview) and got[1].data.obj is payload
+    payload[:] = b"mutated"  # the contract a writer on such a link must keep, shown broken
+    assert bytes(got[1].data) == b"mutated"
+    assert link.client.bytes_sent == link.server.bytes_received == 9
+
+
+def test_zero_copy_flattens_typed_views_without_copying() -> None:
+    net, a, b, _ = pair(zero_copy=True)
+    r = a.open(uni=True)
+    words = memoryview(bytearray(8)).cast("I")  # 2 items, 8 bytes
+    _write_chunks(a, r, words, fin=True)
+    net.run_until_idle()
+    (ev,) = [ev for _, ev in b.got if isinstance(ev, StreamData)]
+    assert isinstance(ev.data, memoryview) and ev.data.format == "B" and ev.data.nbytes == 8
+    assert ev.data.obj is words.obj
+
+
+@pytest.mark.parametrize(
+    "chunking", [Chunking.BYTEWISE, Chunking.random(3, max_size=7), Chunking.random(4, 40)]
+)
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_zero_copy_cuts_the_same_pieces_as_a_copying_link(
+    chunking: Chunking, coalesce: bool
+) -> None:
+    def run(zero_copy: bool) -> tuple[list[bytes | memoryview], int]:
+        net = Network(5)
+        a, b = Peer("a"), Peer("b")
+        net.connect(a, b, chunking=chunking, coalesce=coalesce, zero_copy=zero_copy)
+        r = a.open(uni=True)
+        for i in range(4):
+            _write_chunks(a, r, bytes([i]) * 3, memoryview(bytes(range(i * 20, i * 20 + 20))))
+        _write_chunks(a, r, fin=True)
+        net.run_until_idle()
+        data = [ev for _, ev in b.got if isinstance(ev, StreamData)]
+        assert [ev.fin for ev in data].count(True) == 1 and data[-1].fin
+        return [ev.data for ev in data], sum(isinstance(ev.data, memoryview) for ev in data)
+
+    copied, views_in_copy = run(False)
+    passed, views = run(True)
+    assert [bytes(d) for d in passed] == [bytes(d) for d in copied]  # same cuts, same bytes
+    assert views_in_copy == 0
+    # pieces inside one chunk of a memoryview are views; only spanning pieces are joined
+    assert views > 0
+
+
+def test_zero_copy_pulled_data_and_datagrams() -> None:
+    net = Network()
+    s, b = Sender("s", [(0, 10_000)], chunk=1000), Peer("b")
+    link = net.connect(s, b, zero_copy=True, latency=0.001)
+    s.datagram(b"dgram")  # two chunks: joined
+    one = bytearray(b"one chunk")
+    s._cmds.append(SendDatagram(chunks=(memoryview(one),)))  # one chunk: passed on
+    net.run_until(lambda: bool(b.fins()))
+    assert b.received(P(0)) == s.payload(L(0))
+    data = [ev.data for _, ev in b.got if isinstance(ev, StreamData)]
+    assert len(data) == 20  # Sender writes (view[:1], view[1:]): two events per write
+    assert all(isinstance(d, memoryview) and d.obj is s.payload(L(0)) for d in data)
+    dgrams = [ev.data for _, ev in b.got if isinstance(ev, DatagramReceived)]
+    assert [bytes(d) for d in dgrams] == [b"dgram", b"one chunk"]
+    assert type(dgrams[0]) is bytes and isinstance(dgrams[1], memoryview)
+    assert dgrams[1].obj is one
+    assert link.server.bytes_received == 10_000 + 5 + 9
+
+
+def test_zero_copy_counts_dropped_bytes_like_a_copying_link() -> None:
+    for zero_copy in (False, True):
+        net, a, b, link = pair(latency=1.0, zero_copy=zero_copy)
+        r = a.open()
+        net.run_for(1.0)
+        _write_chunks(a, r, b"12", memoryview(b"345"))
+        net.run_for(0.5)
+        b.stop(P(0), 3)  # the bytes are still on the wire
+        net.run_until_idle()
+        assert b.received(P(0)) == b"" and link.server.bytes_dropped == 5
+
+
+def test_in_flight_chunks_are_what_was_sent_and_not_yet_delivered() -> None:
+    for zero_copy in (False, True):
+        net = Network()
+        s, b = Sender("s", [(0, MiB)], chunk=10_000), Peer("b")
+        link = net.connect(s, b, bandwidth=1e7, latency=0.01, zero_copy=zero_copy)
+        peak = 0
+        while not b.fins():
+            net.step()
+            chunks = link.in_flight_chunks()
+            n = sum(len(c) for c in chunks)
+            assert n == link.client.bytes_sent - link.server.bytes_received
+            # copies without zero_copy, the sender's own buffer with it
+            owner = {type(c) if not isinstance(c, memoryview) else id(c.obj) for c in chunks}
+            assert owner <= ({id(s.payload(L(0)))} if zero_copy else {bytes})
+            peak = max(peak, n)
+        # backpressure: bandwidth x latency plus one quantum of 1 ms, not the whole MiB
+        assert 100_000 <= peak <= 100_000 + 10_000 + 10_000
+        assert link.in_flight_chunks() == []
+    net, a, _, link = pair(latency=1.0)
+    a.datagram(b"dgram")
+    net.poke(a)
+    assert [bytes(c) for c in link.in_flight_chunks()] == [b"dgram"]

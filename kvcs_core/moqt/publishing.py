@@ -173,6 +173,8 @@ class Publisher:
         self._senders: dict[int, _Sender] = {}
         self._by_stream: dict[StreamRef, _Sender] = {}
         self._sched = Scheduler()
+        self._timed: set[int] = set()
+        """Senders of subscriptions with a delivery timeout: the only ones timers look at."""
         self._next_sid = 0
         self._next_alias = 0
         self._seq = 0
@@ -338,7 +340,7 @@ class Publisher:
     def on_timer(self, now: float) -> None:
         """Expire queued objects past their OBJECT_DELIVERY_TIMEOUT (d21 section 5.2)."""
         self.now = now
-        for sender in list(self._senders.values()):
+        for sender in [self._senders[sid] for sid in self._timed if sid in self._senders]:
             sg_timeout = sender.served.subgroup_timeout
             done_at = sender.complete_at
             if sg_timeout is not None and done_at is not None and now - done_at > sg_timeout:
@@ -355,7 +357,8 @@ class Publisher:
     def next_deadline(self) -> float | None:
         """When the oldest queued object of a subscription with a delivery timeout expires."""
         best: float | None = None
-        for sender in self._senders.values():
+        for sid in self._timed:
+            sender = self._senders[sid]
             sg_timeout = sender.served.subgroup_timeout
             if sg_timeout is not None and sender.complete_at is not None:
                 at = sender.complete_at + sg_timeout + 1e-6
@@ -497,6 +500,7 @@ class Publisher:
 
     def _mark_finished(self, sender: _Sender) -> None:
         sender.finished = True
+        self._timed.discard(sender.sid)
         self._sched.set_idle(sender.sid)
         self._senders.pop(sender.sid, None)
         if sender.stream is not None:
@@ -552,7 +556,7 @@ class Publisher:
             return sender
         if key in served.timed_out:
             return _ABANDONED
-        first = self._is_first_in_subgroup(served.store, obj)
+        first = served.store.subgroup_first(obj.location.group, sub) == obj.location.object
         header = SubgroupHeader(
             track_alias=served.alias,
             group_id=obj.location.group,
@@ -623,6 +627,8 @@ class Publisher:
             self._by_stream[sender.stream] = sender
             served.streams_opened += 1
         self._senders[sid] = sender
+        if served.object_timeout is not None or served.subgroup_timeout is not None:
+            self._timed.add(sid)
         return sender
 
     def _reschedule(self, sender: _Sender) -> None:
@@ -659,17 +665,6 @@ class Publisher:
         alias = self._next_alias
         self._next_alias += 1
         return alias
-
-    @staticmethod
-    def _is_first_in_subgroup(store: TrackStore, obj: StoredObject) -> bool:
-        for other in store.objects_in(
-            Location(obj.location.group, 0), obj.location, GroupOrder.ASCENDING
-        ):
-            if other.location == obj.location:
-                return True
-            if (other.subgroup_id or 0) == (obj.subgroup_id or 0) and not other.datagram:
-                return False
-        return True
 
     @staticmethod
     def _last_existing(store: TrackStore, start: Location, end: Location) -> Location | None:

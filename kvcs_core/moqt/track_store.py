@@ -184,13 +184,14 @@ def _immutable(props: KeyValuePairs) -> tuple[KeyValuePair, ...]:
 class _Group:
     """The stored objects of one group, Object IDs kept sorted."""
 
-    __slots__ = ("end", "ids", "objects", "subgroup_priority")
+    __slots__ = ("end", "ids", "objects", "subgroup_first", "subgroup_priority")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.objects: dict[int, StoredObject] = {}
         self.end: int | None = None  # Object ID of an End of Group / End of Track here
         self.subgroup_priority: dict[int, int] = {}
+        self.subgroup_first: dict[int, int] = {}  # Subgroup ID -> its lowest Object ID seen
 
     def insert(self, obj: StoredObject) -> None:
         oid = obj.location.object
@@ -487,6 +488,9 @@ class TrackStore:
         grp.insert(obj)
         if sg is not None:
             grp.subgroup_priority[sg] = prio
+            first = grp.subgroup_first.get(sg)
+            if first is None or object_id < first:
+                grp.subgroup_first[sg] = object_id
         if status is not ObjectStatus.NORMAL:
             grp.end = object_id
             if status is ObjectStatus.END_OF_TRACK:
@@ -555,6 +559,12 @@ class TrackStore:
             raise BeyondEnd(location, f"object after End of Track at {eot}")
         if self._largest is None or location > self._largest:
             self._largest = location
+
+    def subgroup_first(self, group_id: int, subgroup_id: int) -> int | None:
+        """The lowest Object ID stored in a subgroup (None if none): whether a stream that
+        starts at some object starts at the subgroup's first (FIRST_OBJECT, d21 11.3.1)."""
+        grp = self._groups.get(group_id)
+        return None if grp is None else grp.subgroup_first.get(subgroup_id)
 
     def evict_group(self, group_id: int) -> int:
         """Forget every object of ``group_id``; they become *unknown* (d21 section 7.1).

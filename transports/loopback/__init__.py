@@ -28,7 +28,12 @@ Every item a side sends on one stream arrives in the order it was sent
 (per-stream FIFO), whatever latency or bandwidth changes in between.
 ``SendDatagram`` arrives as ``DatagramReceived`` (optionally lost, seeded). The
 link copies the bytes of a write when it takes it, so a machine may reuse its
-buffers; receivers get ``bytes``.
+buffers; receivers get ``bytes``. ``net.connect(..., zero_copy=True)`` skips
+that copy: the writer's buffers themselves travel and receivers get
+``memoryview`` slices of them, so a writer on such a link must never mutate or
+reuse a buffer once written (true of a session serving a ``TrackStore``, whose
+payloads are immutable). It is opt-in, for measuring a machine's own copies
+and memory without the simulator's; see ``Network.connect``.
 
 **Machine bugs raise.** A write after FIN or RESET, a write on a receive-only
 uni stream, an unknown ref, ``OpenStream`` of a ref twice, a RESET on a stream it
@@ -67,6 +72,7 @@ payload bytes of both planes.
 
 **Chunking.** The receiver's view of stream bytes is cut by the link's
 :class:`Chunking`: ``Chunking.WHOLE`` (one ``StreamData`` per write, its chunks
+joined; with ``zero_copy`` one event per non-empty chunk of a write, nothing
 joined), ``Chunking.BYTEWISE`` (one byte per event) or ``Chunking.random(seed,
 max_size)`` (seeded random pieces; with ``seed=None`` derived from the network
 seed and link index). ``coalesce=True`` first merges consecutive writes of one

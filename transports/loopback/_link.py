@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvcs_core.moqt.protocol import Machine
@@ -39,6 +40,51 @@ def _nbytes(chunks: tuple[bytes | memoryview, ...]) -> int:
     return sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
 
 
+def _byte_view(chunk: bytes | memoryview) -> bytes | memoryview:
+    """``chunk`` as something whose ``len`` counts bytes (a flat ``"B"`` view), uncopied."""
+    if isinstance(chunk, bytes):
+        return chunk
+    mv = memoryview(chunk)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def _cut(
+    chunks: tuple[bytes | memoryview, ...], spans: Iterable[tuple[int, int]]
+) -> Iterator[tuple[int, int, bytes | memoryview]]:
+    """``(start, end, bytes start..end of the concatenated chunks)`` for ascending spans.
+
+    A span inside one chunk is that chunk or a slice of it (a view for a
+    memoryview, a copy for ``bytes``); only a span that crosses a chunk boundary
+    is joined into new ``bytes``. ``chunks`` holds no empty chunk.
+    """
+    i, base = 0, 0  # chunks[i] holds bytes base .. base + len(chunks[i])
+    for start, end in spans:
+        while start >= base + len(chunks[i]):
+            base += len(chunks[i])
+            i += 1
+        c = chunks[i]
+        top = base + len(c)
+        if end <= top:
+            yield start, end, c if (start == base and end == top) else c[start - base : end - base]
+            continue
+        parts = [c[start - base :]]
+        j, b = i + 1, top
+        while end > b + len(chunks[j]):
+            parts.append(chunks[j])
+            b += len(chunks[j])
+            j += 1
+        parts.append(chunks[j][: end - b])
+        yield start, end, b"".join(parts)
+
+
+def _chunk_spans(chunks: tuple[bytes | memoryview, ...]) -> Iterator[tuple[int, int]]:
+    """One span per chunk: the zero-copy ``Chunking.WHOLE``."""
+    pos = 0
+    for c in chunks:
+        yield pos, pos + len(c)
+        pos += len(c)
+
+
 class _Stream:
     """Both halves of one stream, indexed by side (CLIENT / SERVER)."""
 
@@ -66,9 +112,14 @@ class _Stream:
 
 
 class _Delivery:
-    """Something in flight towards endpoint ``to``: a prebuilt event or stream bytes."""
+    """Something in flight towards endpoint ``to``: a prebuilt event or stream bytes.
 
-    __slots__ = ("data", "event", "fin", "final", "stream", "to")
+    Stream bytes are ``chunks`` (none empty), ``nbytes`` in all: one ``bytes``
+    the link copied, or with ``zero_copy`` the writer's own buffers; coalescing
+    concatenates the tuples and never the bytes.
+    """
+
+    __slots__ = ("chunks", "event", "fin", "final", "nbytes", "stream", "to")
 
     def __init__(
         self,
@@ -76,14 +127,15 @@ class _Delivery:
         *,
         event: TransportEvent | None = None,
         stream: _Stream | None = None,
-        data: bytes = b"",
+        chunks: tuple[bytes | memoryview, ...] = (),
         fin: bool = False,
         final: bool = False,
     ) -> None:
         self.to = to
         self.event = event
         self.stream = stream
-        self.data = data
+        self.chunks = chunks
+        self.nbytes = sum(len(c) for c in chunks)
         self.fin = fin
         self.final = final
 
@@ -159,6 +211,7 @@ class Link:
         quantum: int | None,
         datagram_loss: float,
         name: str,
+        zero_copy: bool = False,
     ) -> None:
         self.net = net
         self.index = index
@@ -169,6 +222,8 @@ class Link:
         self.chunking = chunking
         self.coalesce = coalesce
         """Merge consecutive due writes of one stream before chunking them."""
+        self.zero_copy = zero_copy
+        """Carry the writers' buffers instead of copies (see ``Network.connect``)."""
         self.latency = 0.0
         self.bandwidth: float | None = None
         self.quantum: int | None = quantum
@@ -220,6 +275,23 @@ class Link:
         if self.quantum is not None:
             return self.quantum
         return min(UNLIMITED_BUDGET, max(1200, int(self.bandwidth / 1000)))
+
+    def in_flight_chunks(self) -> list[bytes | memoryview]:
+        """The stream and datagram bytes on their way across this link, not yet delivered.
+
+        As the link holds them: without ``zero_copy`` its own copies (``bytes``);
+        with it, the writers' buffers (a ``memoryview``'s ``obj`` is the writer's
+        object). Pure; O(items in flight). For measuring what a transfer keeps in
+        memory and how far backpressure lets it run ahead.
+        """
+        out: list[bytes | memoryview] = []
+        for _, _, link, item in self.net._queue:
+            if link is self:
+                if item.chunks:
+                    out.extend(item.chunks)
+                elif isinstance(item.event, DatagramReceived):
+                    out.append(item.event.data)
+        return out
 
     def endpoint(self, who: Endpoint | Machine[Any]) -> Endpoint:
         """The endpoint for a machine (or the endpoint itself)."""
@@ -306,7 +378,7 @@ class Link:
             1 - ep.side,
             st,
             self.net.now + delay,
-            _Delivery(ep.side, stream=st, data=bytes(data), fin=fin),
+            _Delivery(ep.side, stream=st, chunks=(bytes(data),) if data else (), fin=fin),
         )
 
     def inject_datagram(
@@ -409,16 +481,19 @@ class Link:
             raise LoopbackError(
                 f"{ep.label}: WriteStream on {cmd.stream!r} after its {st.ended[ep.side]}"
             )
-        # Copy now: the machine may reuse the buffers behind its memoryviews.
-        data = b"".join(cmd.chunks)
+        chunks: tuple[bytes | memoryview, ...]
+        if self.zero_copy:  # the writer promised not to touch these buffers again
+            chunks = tuple(v for v in map(_byte_view, cmd.chunks) if len(v))
+        else:  # copy now: the machine may reuse the buffers behind its memoryviews
+            data = b"".join(cmd.chunks)
+            chunks = (data,) if data else ()
         if cmd.fin:
             st.ended[ep.side] = "FIN"
-        self._log(ep, start, cmd.stream, len(data), pulled)
-        if st.injected or not (data or cmd.fin):
+        item = _Delivery(1 - ep.side, stream=st, chunks=chunks, fin=cmd.fin)
+        self._log(ep, start, cmd.stream, item.nbytes, pulled)
+        if st.injected or not (chunks or cmd.fin):
             return
-        self._send_on(
-            ep.side, st, arrival, _Delivery(1 - ep.side, stream=st, data=data, fin=cmd.fin)
-        )
+        self._send_on(ep.side, st, arrival, item)
 
     def _abort(self, ep: Endpoint, cmd: AbortStream, arrival: float) -> None:
         st = self._stream(ep, cmd.stream, f"AbortStream({cmd.kind.name})")
@@ -446,7 +521,11 @@ class Link:
     def _datagram(
         self, ep: Endpoint, cmd: SendDatagram, start: float, arrival: float, *, pulled: bool
     ) -> None:
-        data = b"".join(cmd.chunks)
+        data: bytes | memoryview
+        if self.zero_copy and len(cmd.chunks) == 1:
+            data = _byte_view(cmd.chunks[0])
+        else:
+            data = b"".join(cmd.chunks)
         self._log(ep, start, None, len(data), pulled)
         if self.datagram_loss and self._loss_rng.random() < self.datagram_loss:
             ep.peer.bytes_dropped += len(data)
@@ -509,7 +588,7 @@ class Link:
                 return
             ep._finished = ep._done = True
         elif ep._done:
-            ep.bytes_dropped += len(item.data)
+            ep.bytes_dropped += item.nbytes
             return
         if item.event is not None:
             self.net._feed(ep, item.event)
@@ -517,15 +596,16 @@ class Link:
         st = item.stream
         assert st is not None
         ref = st.refs[item.to]
-        data = item.data
-        n = len(data)
+        chunks = item.chunks
+        n = item.nbytes
         if n == 0:  # a bare FIN
             if not st.stopped[item.to]:
                 self.net._feed(ep, StreamData(stream=ref, data=b"", fin=item.fin))
             return
-        for start, end in self._splitters[1 - item.to].pieces(n):
+        splitter = self._splitters[1 - item.to]
+        spans = _chunk_spans(chunks) if self.zero_copy and splitter.whole else splitter.pieces(n)
+        for start, end, piece in _cut(chunks, spans):
             if ep._done or st.stopped[item.to]:
                 ep.bytes_dropped += n - start
                 return
-            piece = data if (start == 0 and end == n) else data[start:end]
             self.net._feed(ep, StreamData(stream=ref, data=piece, fin=item.fin and end == n))

@@ -69,6 +69,7 @@ class Network:
         quantum: int | None = None,
         datagram_loss: float = 0.0,
         name: str = "",
+        zero_copy: bool = False,
     ) -> Link:
         """Link two machines with a QUIC-like connection.
 
@@ -83,6 +84,17 @@ class Network:
             quantum: ``poll_data`` budget per pacing slot (see ``Link.set_bandwidth``).
             datagram_loss: probability (seeded) that a datagram is dropped.
             name: label used in logs and errors (default ``link<N>``).
+            zero_copy: carry the machines' write buffers to the peer instead of
+                copying them. A writer must then never mutate or reuse a buffer it
+                has passed in a ``WriteStream`` or ``SendDatagram`` (a
+                ``TrackStore`` payload is immutable, so a session serving one
+                qualifies), and receivers get ``memoryview`` slices of the
+                sender's buffers. ``Chunking.WHOLE`` then delivers one
+                ``StreamData`` per non-empty *chunk* of a write (header and
+                payload apart, as a QUIC stack that sends from the caller's
+                buffers would); other chunkings cut the same pieces as without
+                ``zero_copy``, joining bytes only for a piece that spans chunks.
+                A datagram of one chunk is passed on; one of several is joined.
 
         Raises:
             LoopbackError: a machine is already on a link, or client is server.
@@ -107,6 +119,7 @@ class Network:
             quantum=quantum,
             datagram_loss=datagram_loss,
             name=name,
+            zero_copy=zero_copy,
         )
         self._links.append(link)
         for ep in link.endpoints:
@@ -318,7 +331,8 @@ class Network:
                     and q[0][3].to == item.to
                 ):
                     nxt = heapq.heappop(q)[3]
-                    item.data += nxt.data
+                    item.chunks += nxt.chunks  # the bytes are joined only where a piece spans
+                    item.nbytes += nxt.nbytes
                     item.fin = nxt.fin
             link._deliver(item)
             happened = True

@@ -106,6 +106,11 @@ class Splitter:
         # and interpreters (unlike hash()), so splits are reproducible.
         self._rng = random.Random(seed) if chunking.kind == "random" else None
 
+    @property
+    def whole(self) -> bool:
+        """Every write arrives in one piece (``Chunking.WHOLE``)."""
+        return self._kind == "whole"
+
     def pieces(self, n: int) -> Iterator[tuple[int, int]]:
         """``(start, end)`` offsets covering ``0..n``; nothing for ``n == 0``."""
         if self._kind == "whole":
