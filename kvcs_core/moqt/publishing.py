@@ -77,6 +77,10 @@ if TYPE_CHECKING:
     from kvcs_core.moqt.track_store import ListenerHandle, StoredObject, TrackStore
 
 
+_MAX_OBJECTS_PER_WRITE = 64
+"""Objects one pull may carry from one stream (whole objects while the budget allows)."""
+
+
 class _Kind(enum.IntEnum):
     SUBGROUP = 1
     FILL = 2
@@ -386,26 +390,37 @@ class Publisher:
             # the sender had nothing after all (filtered objects): try the next one
 
     def _produce(self, sender: _Sender, budget: int) -> WriteStream | SendDatagram | None:
+        """At most ``budget`` bytes of ``sender``: whole objects while they fit (up to
+        ``_MAX_OBJECTS_PER_WRITE``), the last one possibly cut; the scheduler is asked
+        again between pulls, so priorities apply at the granularity of one pull."""
         if sender.finished:
             return None
         if sender.kind is _Kind.DATAGRAMS:
-            obj = sender.queue.popleft() if sender.queue else None
-            if obj is None:
+            if not sender.queue:
                 return None
+            obj = sender.queue.popleft()
+            sender.enqueued.popleft()
             sender.served.queued_bytes -= obj.payload.nbytes
             return self._datagram(sender.served, obj)
         assert sender.stream is not None
-        if not sender.partial:
-            obj = self._next_object(sender)
-            if obj is None:
-                if sender.fin_when_drained or (
-                    sender.cursor is None and sender.kind is not _Kind.SUBGROUP
-                ):
-                    return self._fin(sender)
-                return None
-            sender.partial = self._encode(sender, obj)
         chunks: list[memoryview] = []
-        while sender.partial and budget > 0:
+        objects = 0
+        while budget > 0:
+            if not sender.partial:
+                if objects >= _MAX_OBJECTS_PER_WRITE:
+                    break
+                nxt = self._next_object(sender)
+                if sender.finished:
+                    return None  # reset for a delivery timeout: nothing more may be written
+                if nxt is None:
+                    if not chunks and (
+                        sender.fin_when_drained
+                        or (sender.cursor is None and sender.kind is not _Kind.SUBGROUP)
+                    ):
+                        return self._fin(sender)
+                    break
+                sender.partial = self._encode(sender, nxt)
+                objects += 1
             head = sender.partial[0]
             if head.nbytes <= budget:
                 chunks.append(head)
@@ -415,6 +430,8 @@ class Publisher:
                 chunks.append(head[:budget])
                 sender.partial[0] = head[budget:]
                 budget = 0
+        if not chunks:
+            return None
         fin = False
         if (
             not sender.partial
@@ -539,12 +556,14 @@ class Publisher:
             sender = self._subgroup_sender(served, obj)
         if sender.finished:
             return  # a subgroup abandoned after a delivery timeout
+        was_idle = not sender.queue and not sender.partial
         sender.queue.append(obj)
         sender.enqueued.append(self.now)
         if obj.status is not ObjectStatus.NORMAL and sender.complete_at is None:
             sender.complete_at = self.now  # the subgroup is complete: its timer starts
         served.queued_bytes += obj.payload.nbytes
-        self._reschedule(sender)
+        if was_idle:  # a busy sender's key depends on its head object only: unchanged
+            self._reschedule(sender)
         if served.queued_bytes > self._config.max_queued_bytes_per_subscription:
             self._too_far_behind(served)
 

@@ -40,9 +40,13 @@ def _check_vi64(value: int, what: str) -> int:
     return value
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=False)
 class Location:
-    """A position in a track: ``(group, object)``; compares lexicographically."""
+    """A position in a track: ``(group, object)``; compares lexicographically.
+
+    The comparisons are written out (not attrs-generated): they sit on the hot path
+    of every object a session sends or stores.
+    """
 
     group: int = attrs.field()
     object: int = attrs.field()
@@ -54,6 +58,18 @@ class Location:
     @object.validator
     def _v_object(self, _a: Any, value: int) -> None:
         _check_vi64(value, "Object ID")
+
+    def __lt__(self, other: Location) -> bool:
+        return (self.group, self.object) < (other.group, other.object)
+
+    def __le__(self, other: Location) -> bool:
+        return (self.group, self.object) <= (other.group, other.object)
+
+    def __gt__(self, other: Location) -> bool:
+        return (self.group, self.object) > (other.group, other.object)
+
+    def __ge__(self, other: Location) -> bool:
+        return (self.group, self.object) >= (other.group, other.object)
 
     def __str__(self) -> str:
         return f"{{{self.group},{self.object}}}"
