@@ -438,3 +438,14 @@ def test_subgroup_delivery_timeout_resets_a_slow_complete_subgroup() -> None:
     assert 0 < len(pair.objects(rid)) < 21
     ended = pair.events(pair.cli, ev.DataStreamEnded)
     assert [e.reset_code for e in ended] == [StreamResetCode.DELIVERY_TIMEOUT]
+
+
+def test_object_head_and_payload_are_sent_as_one_object(chunking: str) -> None:
+    """A stored object's ``head`` (e.g. a KVCS header) precedes its payload, uncopied."""
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.raw.s5")))
+    store.append(0, 0, b"tensor-bytes", head=b"HEADER:")
+    store.append(0, 1, b"x", head=b"H", datagram=False)
+    rid = pair.cli.fetch(store.name, now=pair.now)
+    pair.wait(lambda: pair.events(pair.cli, ev.DataStreamEnded))
+    assert [bytes(e.payload) for e in pair.objects(rid)] == [b"HEADER:tensor-bytes", b"Hx"]

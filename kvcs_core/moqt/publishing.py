@@ -400,7 +400,7 @@ class Publisher:
                 return None
             obj = sender.queue.popleft()
             sender.enqueued.popleft()
-            sender.served.queued_bytes -= obj.payload.nbytes
+            sender.served.queued_bytes -= obj.size
             return self._datagram(sender.served, obj)
         assert sender.stream is not None
         chunks: list[memoryview] = []
@@ -458,7 +458,7 @@ class Publisher:
         if sender.queue:
             obj = sender.queue.popleft()
             offered = sender.enqueued.popleft()
-            served.queued_bytes -= obj.payload.nbytes
+            served.queued_bytes -= obj.size
             timeout = served.object_timeout
             if timeout is not None and self.now - offered > timeout:
                 # d21 5.2: checked before handing the object over; reset, never reopen
@@ -474,7 +474,7 @@ class Publisher:
         if sender.subgroup_writer is not None:
             prefix = sender.subgroup_writer.object_prefix(
                 obj.location.object,
-                payload_length=obj.payload.nbytes,
+                payload_length=obj.size,
                 status=obj.status,
                 properties=obj.properties,
             )
@@ -486,10 +486,12 @@ class Publisher:
                 subgroup_id=obj.subgroup_id,
                 publisher_priority=obj.publisher_priority,
                 properties=obj.properties,
-                payload_length=obj.payload.nbytes,
+                payload_length=obj.size,
                 datagram=obj.datagram,
             )
         chunks = [memoryview(prefix)]
+        if obj.head:
+            chunks.append(memoryview(obj.head))
         if obj.payload.nbytes:
             chunks.append(obj.payload)
         return chunks
@@ -506,7 +508,9 @@ class Publisher:
             payload=b"" if obj.status is not ObjectStatus.NORMAL else obj.payload,
         )
         header = encode_datagram_header(d)
-        if obj.status is ObjectStatus.NORMAL and obj.payload.nbytes:
+        if obj.status is ObjectStatus.NORMAL and obj.size:
+            if obj.head:
+                return SendDatagram(chunks=(header, obj.head, obj.payload))
             return SendDatagram(chunks=(header, obj.payload))
         return SendDatagram(chunks=(header,))
 
@@ -561,7 +565,7 @@ class Publisher:
         sender.enqueued.append(self.now)
         if obj.status is not ObjectStatus.NORMAL and sender.complete_at is None:
             sender.complete_at = self.now  # the subgroup is complete: its timer starts
-        served.queued_bytes += obj.payload.nbytes
+        served.queued_bytes += obj.size
         if was_idle:  # a busy sender's key depends on its head object only: unchanged
             self._reschedule(sender)
         if served.queued_bytes > self._config.max_queued_bytes_per_subscription:

@@ -150,6 +150,10 @@ class StoredObject:
     """Forwarding preference: ``True`` = Datagram, ``False`` = Subgroup."""
     seq: int
     """Arrival order within the store, strictly increasing from 0."""
+    head: bytes = attrs.field(default=b"", repr=False)
+    """Bytes of the object payload that precede ``payload`` (e.g. a KVCS object header
+    before the tensor data): the object's payload is ``head + payload``, kept apart so
+    that neither is copied to join them (scatter/gather, STYLE.md R8)."""
 
     @property
     def group_id(self) -> int:
@@ -163,8 +167,12 @@ class StoredObject:
 
     @property
     def size(self) -> int:
-        """Payload length in bytes."""
-        return self.payload.nbytes
+        """Payload length in bytes (``head`` included)."""
+        return len(self.head) + self.payload.nbytes
+
+    def payload_bytes(self) -> bytes:
+        """The whole object payload as one bytes object (a copy: tests and rare paths)."""
+        return self.head + bytes(self.payload)
 
 
 @attrs.frozen
@@ -401,6 +409,7 @@ class TrackStore:
         group_id: int,
         object_id: int,
         payload: bytes | bytearray | memoryview = b"",
+        head: bytes = b"",
         *,
         subgroup_id: int | None = 0,
         publisher_priority: int | None = None,
@@ -464,7 +473,11 @@ class TrackStore:
             known = None if grp is None or sg is None else grp.subgroup_priority.get(sg)
             publisher_priority = self.default_publisher_priority if known is None else known
         prio = _check_priority(publisher_priority, "publisher_priority")
-        cand = StoredObject(loc, sg, prio, status, props, view, datagram, self._next_seq)
+        if head and status is not ObjectStatus.NORMAL:
+            raise ValueError(f"a {status.name} object has no payload")
+        cand = StoredObject(
+            loc, sg, prio, status, props, view, datagram, self._next_seq, bytes(head)
+        )
         if grp is not None:
             existing = grp.objects.get(object_id)
             if existing is not None:
@@ -496,7 +509,7 @@ class TrackStore:
             if status is ObjectStatus.END_OF_TRACK:
                 self._end_of_track = loc
         self._count += 1
-        self._total_bytes += view.nbytes
+        self._total_bytes += obj.size
         if self._largest is None or loc > self._largest:
             self._largest = loc
         self._notify(obj)
@@ -511,7 +524,11 @@ class TrackStore:
                 ("Subgroup ID", existing.subgroup_id == cand.subgroup_id),
                 ("publisher priority", existing.publisher_priority == cand.publisher_priority),
                 ("status", existing.status == cand.status),
-                ("payload", existing.payload == cand.payload),
+                (
+                    "payload",
+                    (existing.head, existing.payload) == (cand.head, cand.payload)
+                    or existing.payload_bytes() == cand.payload_bytes(),
+                ),
                 (
                     "immutable properties",
                     _immutable(existing.properties) == _immutable(cand.properties),
@@ -580,7 +597,7 @@ class TrackStore:
             return 0
         i = bisect.bisect_left(self._group_ids, group_id)
         del self._group_ids[i]
-        freed = sum(o.payload.nbytes for o in grp.objects.values())
+        freed = sum(o.size for o in grp.objects.values())
         self._total_bytes -= freed
         self._count -= len(grp.objects)
         return freed
