@@ -67,7 +67,15 @@ _INT_MIN: Final = -(2**64)
 _INT_MAX: Final = 2**64 - 1
 
 _POSITIVE_INT_MEMBERS: Final = ("layers", "kv_heads", "head_dim", "block_tokens")
-REQUIRED_MEMBERS: Final = ("kvsp", "model", "layers", "kv_heads", "head_dim", "dtype", "block_tokens")
+REQUIRED_MEMBERS: Final = (
+    "kvsp",
+    "model",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "block_tokens",
+)
 """The members every CD has (section 1)."""
 OPTIONAL_MEMBERS: Final = ("tokenizer", "extra")
 """The optional members with a defined type (section 1)."""
@@ -99,12 +107,18 @@ def _type_name(value: object) -> str:
     return f"a {type(value).__name__} (not a JSON value)"
 
 
-def _check_text(text: str, path: tuple[str | int, ...]) -> str:
+def _check_text(text: str, path: tuple[str | int, ...], *, key: bool = False) -> str:
+    """``text`` as a plain ``str``; it must have a UTF-8 encoding.
+
+    For an object key, the error names the enclosing object (``path``) and
+    gives the key escaped, so that the message itself is printable.
+    """
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
+        what = f"object key {text!a}" if key else "string"
         raise DescriptorError(
-            json_pointer(path), "contains a lone surrogate (not a Unicode scalar value)"
+            json_pointer(path), f"{what} contains a lone surrogate (not a Unicode scalar value)"
         ) from None
     return str.__str__(text)
 
@@ -117,7 +131,9 @@ def _normalise(value: object, path: tuple[str | int, ...], depth: int) -> JsonVa
     if isinstance(value, int):
         if not _INT_MIN <= value <= _INT_MAX:
             raise DescriptorError(
-                where, f"integer {value} is outside -2**64..2**64-1 (needs a CBOR bignum tag)"
+                where,
+                f"integer of {value.bit_length()} bits is outside -2**64..2**64-1 "
+                "(it would need a CBOR bignum tag)",
             )
         return int.__index__(value)
     if isinstance(value, float):
@@ -126,21 +142,29 @@ def _normalise(value: object, path: tuple[str | int, ...], depth: int) -> JsonVa
         )
     if isinstance(value, str):
         return _check_text(value, path)
-    if isinstance(value, Mapping | list | tuple):
+    if isinstance(value, Mapping):
+        return _normalise_object(value, path, depth)
+    if isinstance(value, list | tuple):
         if depth >= MAX_DEPTH:
             raise DescriptorError(where, f"nested more than {MAX_DEPTH} levels deep")
-        if isinstance(value, Mapping):
-            out: dict[str, JsonValue] = {}
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise DescriptorError(
-                        where, f"object key {key!r} is {_type_name(key)}, not a string"
-                    )
-                key = _check_text(key, (*path, key))
-                out[key] = _normalise(item, (*path, key), depth + 1)
-            return out
         return [_normalise(item, (*path, i), depth + 1) for i, item in enumerate(value)]
     raise DescriptorError(where, f"is {_type_name(value)}")
+
+
+def _normalise_object(
+    value: Mapping[object, object], path: tuple[str | int, ...], depth: int
+) -> dict[str, JsonValue]:
+    if depth >= MAX_DEPTH:
+        raise DescriptorError(json_pointer(path), f"nested more than {MAX_DEPTH} levels deep")
+    out: dict[str, JsonValue] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise DescriptorError(
+                json_pointer(path), f"object key {key!r} is {_type_name(key)}, not a string"
+            )
+        key = _check_text(key, path, key=True)
+        out[key] = _normalise(item, (*path, key), depth + 1)
+    return out
 
 
 def _require_int(cd: Mapping[str, JsonValue], name: str) -> int:
@@ -196,8 +220,7 @@ class CompatibilityDescriptor:
         """
         if not isinstance(compat, Mapping):
             raise DescriptorError("", f"must be a JSON object, not {_type_name(compat)}")
-        cd = _normalise(compat, (), 0)
-        assert isinstance(cd, dict)  # a Mapping normalises to a dict
+        cd = _normalise_object(compat, (), 0)
         for name in REQUIRED_MEMBERS:
             if name not in cd:
                 raise DescriptorError(f"/{name}", "required member is missing")
@@ -216,9 +239,7 @@ class CompatibilityDescriptor:
             dtype = Dtype(dtype_name)
         except ValueError:
             allowed = ", ".join(d.value for d in Dtype)
-            raise DescriptorError(
-                "/dtype", f"{dtype_name!r} is not one of {allowed}"
-            ) from None
+            raise DescriptorError("/dtype", f"{dtype_name!r} is not one of {allowed}") from None
         tokenizer = _require_str(cd, "tokenizer") if "tokenizer" in cd else None
         if "extra" in cd and not isinstance(cd["extra"], dict):
             raise DescriptorError("/extra", f"must be an object, not {_type_name(cd['extra'])}")

@@ -20,9 +20,10 @@ which is also what numpy, torch and ml_dtypes do:
   infinity; its largest finite value is 448 and anything that rounds above it
   is NaN, the non-saturating conversion of torch and ml_dtypes);
 * +-inf stays +-inf (NaN for float8_e4m3fn); the sign of zero is kept;
-* a NaN becomes the dtype's quiet NaN with the same sign: float32 0x7FC00000,
-  float16 0x7E00, bfloat16 0x7FC0, float8_e5m2 0x7E, float8_e4m3fn 0x7F
-  (the binding does not fix NaN payloads).
+* a NaN stays a NaN with the same sign: float16 0x7E00, bfloat16 0x7FC0,
+  float8_e5m2 0x7E, float8_e4m3fn 0x7F; a float32 NaN is what the C cast makes
+  (the binding does not fix NaN payloads; the sign of a NaN made by
+  arithmetic, such as ``0 * inf`` in the q8 decoder, is the CPU's).
 
 float16 and float32 go through ``struct`` (C loops; ``struct``'s half-precision
 packing rounds half to even); bfloat16 rounds the float32 bit pattern; the two
@@ -115,7 +116,7 @@ class _Fp8Encoder:
 
     def encode(self, value: float) -> int:
         sign = 0x80 if math.copysign(1.0, value) < 0 else 0
-        if value != value:  # NaN
+        if math.isnan(value):
             return sign | self.nan
         a = abs(value)
         values = self.values
@@ -169,10 +170,9 @@ def _f16_one(value: float) -> bytes:
 def from_float32(dtype: Dtype, values: Sequence[float]) -> bytes:
     """Encode float32 values as a little-endian array of ``dtype`` elements.
 
-    Each value must be exactly representable as float32 (checked for float32
-    itself: packing a value that is not raises ``OverflowError`` only when it is
-    out of range, so callers must not rely on a check). Rounding, overflow and
-    NaN are as in the module docstring.
+    Each value must be a float32 value (exactly representable as float32;
+    this is not checked): the conversion is then a single IEEE rounding.
+    Rounding, overflow and NaN are as in the module docstring.
     """
     n = len(values)
     if dtype is Dtype.FLOAT32:

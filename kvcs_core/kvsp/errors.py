@@ -42,8 +42,10 @@ class DescriptorError(KvspError):
 
     def __init__(self, pointer: str, reason: str) -> None:
         member = _unescape(pointer[1:].split("/", 1)[0]) if pointer else ""
-        where = f"member {member!r}" if pointer == f"/{_escape(member)}" else (
-            f"member {member!r} at {pointer!r}" if pointer else "descriptor"
+        where = (
+            f"member {member!r}"
+            if pointer == f"/{_escape(member)}"
+            else (f"member {member!r} at {pointer!r}" if pointer else "descriptor")
         )
         super().__init__(f"Compatibility Descriptor {where}: {reason}")
         self.member: Final = member
