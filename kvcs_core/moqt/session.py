@@ -137,6 +137,10 @@ class MoqtSession(PeerRequests, OwnRequests):
 
     @property
     def setup_complete(self) -> bool:
+        return self._ready
+
+    @property
+    def _ready(self) -> bool:
         return self._peer_setup is not None and self._started
 
     @property
@@ -669,6 +673,10 @@ class MoqtSession(PeerRequests, OwnRequests):
     # ------------------------------------------------------------------ internals: dispatch
 
     def _dispatch(self, event: TransportEvent, now: float) -> None:
+        if type(event) is StreamData and self._ready and event.stream in self.receiver.streams:
+            # the hot path: bytes of a data stream already classified
+            self.receiver.on_stream_data(event.stream, event.data, event.fin)
+            return
         if isinstance(event, TransportClosed):
             self._closed = True
             self._timers.clear()

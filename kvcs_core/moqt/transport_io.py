@@ -30,7 +30,7 @@ import enum
 import attrs
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class StreamRef:
     """Opaque stream handle. ``local``: opened by this endpoint; ``n``: allocator's counter."""
 

@@ -347,7 +347,11 @@ class ObjectStreamDecoder(Generic[T]):
             return n
         item = self._pitem
         assert item is not None
-        if parts is not None:
+        if parts is not None and not parts:
+            # The whole payload lies in this one chunk (its header ended the previous
+            # one): hand the view through, no copy (STYLE.md R8 fast path).
+            self._set_payload(item, mv[:room])
+        elif parts is not None:
             # One copy, into a buffer of exactly the payload length, never resized.
             parts.append(mv[:room])
             self._set_payload(item, memoryview(b"".join(parts)))
