@@ -68,5 +68,9 @@ class SessionConfig:
     max_queued_bytes_per_subscription: int = 64 * 1024 * 1024
     """Bytes of objects queued towards the peer for one live subscription before
     it counts as too far behind -> PUBLISH_DONE TOO_FAR_BEHIND (d21 section 5.2)."""
+    max_datagram_size: int = 1200
+    """Largest QUIC DATAGRAM payload we send (the path's datagram size; the adapter knows
+    better and should set it). An object whose datagram would be larger is dropped
+    silently (wire reference 7.6)."""
     retry_interval_ms: int = 1000
     """Retry Interval we suggest when refusing for load (d21 section 9.4.2)."""

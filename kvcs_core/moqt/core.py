@@ -15,6 +15,7 @@ from __future__ import annotations
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.auth import TokenCache
 from kvcs_core.moqt.config import SessionConfig
+from kvcs_core.moqt.errors import PeerViolation
 from kvcs_core.moqt.output import Output
 from kvcs_core.moqt.publishing import Publisher
 from kvcs_core.moqt.receiving import DataReceiver
@@ -22,6 +23,7 @@ from kvcs_core.moqt.requests import RequestIdTracker, RequestRecord, RequestStat
 from kvcs_core.moqt.timers import Deadlines
 from kvcs_core.moqt.transport_io import AbortKind, StreamRef
 from kvcs_core.wire import messages as m
+from kvcs_core.wire.codes import SessionErrorCode
 
 
 class SessionCore:
@@ -39,6 +41,20 @@ class SessionCore:
     _partial_requests: dict[StreamRef, m.ControlStreamDecoder]
     _goaway_sent: bool
     tokens: TokenCache
+
+    def _check_alias(self, alias: int, rec: RequestRecord) -> None:
+        """d21 3.1.2: an alias that names another track of a live subscription we receive
+        (our SUBSCRIBE or the peer's PUBLISH) is DUPLICATE_TRACK_ALIAS."""
+        for other in self.requests.values():
+            if other is rec or other.finished or other.track_alias != alias:
+                continue
+            ours = (other.kind is ev.RequestKind.SUBSCRIBE and other.mine) or (
+                other.kind is ev.RequestKind.PUBLISH and not other.mine
+            )
+            if ours and other.track != rec.track:
+                raise PeerViolation(
+                    SessionErrorCode.DUPLICATE_TRACK_ALIAS, f"Track Alias {alias} in use"
+                )
 
     def _run_deferred_updates(self, rec: RequestRecord, now: float) -> None:
         """Answer REQUEST_UPDATEs that arrived before the request's own answer."""

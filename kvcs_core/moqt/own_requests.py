@@ -15,6 +15,7 @@ SUBSCRIBE_NAMESPACE, it withdraws every announced namespace (d21 4.4).
 from __future__ import annotations
 
 from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.config import Role
 from kvcs_core.moqt.core import SessionCore
 from kvcs_core.moqt.errors import PeerViolation
 from kvcs_core.moqt.requests import MESSAGE_OF_KIND, RequestRecord, RequestState
@@ -22,6 +23,12 @@ from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import MessageType, RequestErrorCode, SessionErrorCode
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
+
+_NAMESPACE_SCOPED = (
+    ev.RequestKind.SUBSCRIBE_NAMESPACE,
+    ev.RequestKind.PUBLISH_NAMESPACE,
+    ev.RequestKind.SUBSCRIBE_TRACKS,
+)
 
 
 class OwnRequests(SessionCore):
@@ -86,6 +93,7 @@ class OwnRequests(SessionCore):
                     )
                 )
             else:
+                self._check_redirect(rec, msg)
                 self._out.emit(self._failed(rec.request_id, msg, update_id))
             return True
         subscription = rec.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH)
@@ -117,9 +125,26 @@ class OwnRequests(SessionCore):
             return True
         return False
 
+    def _check_redirect(self, rec: RequestRecord, msg: m.RequestError) -> None:
+        """Appendix A: a Redirect Connect URI received by a server, or a Track Name in a
+        namespace-scoped Redirect (wire reference 4.3), is PROTOCOL_VIOLATION."""
+        redirect = msg.redirect
+        if redirect is None:
+            return
+        if redirect.connect_uri and self.config.role is Role.SERVER:
+            raise PeerViolation(
+                SessionErrorCode.PROTOCOL_VIOLATION, "a server got a Redirect Connect URI"
+            )
+        if redirect.track_name and rec.kind in _NAMESPACE_SCOPED:
+            raise PeerViolation(
+                SessionErrorCode.PROTOCOL_VIOLATION,
+                f"a Redirect answering {rec.kind.name} names a track",
+            )
+
     def _on_first_answer(self, rec: RequestRecord, msg: m.ControlMessage) -> None:
         self._timers.cancel_request(rec.request_id)
         if isinstance(msg, m.RequestError):
+            self._check_redirect(rec, msg)
             rec.state = RequestState.FAILED
             self._out.emit(self._failed(rec.request_id, msg, None))
             self.receiver.request_finished(rec)
@@ -128,6 +153,7 @@ class OwnRequests(SessionCore):
             return
         kind = rec.kind
         if kind is ev.RequestKind.SUBSCRIBE and isinstance(msg, m.SubscribeOk):
+            self._check_alias(msg.track_alias, rec)
             largest = msg.params.get(p.LargestObject)
             expires = msg.params.get(p.Expires)
             rec.state = RequestState.ESTABLISHED
@@ -144,6 +170,13 @@ class OwnRequests(SessionCore):
                 )
             )
         elif kind is ev.RequestKind.FETCH and isinstance(msg, m.FetchOk):
+            lf = rec.params.get(p.LocationFilter)
+            start = lf.start if lf is not None else None
+            if start is not None and msg.end_location < start:
+                # wire reference 4.3: End Location before the request's start is PV
+                raise PeerViolation(
+                    SessionErrorCode.PROTOCOL_VIOLATION, "FETCH_OK ends before the FETCH's start"
+                )
             rec.state = RequestState.ESTABLISHED
             rec.largest = msg.end_location
             self._out.emit(

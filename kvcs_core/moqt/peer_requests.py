@@ -150,19 +150,8 @@ class PeerRequests(SessionCore):
 
     def _on_peer_publish(self, rec: RequestRecord, msg: m.Publish) -> None:
         """PUBLISH (d21 9.8): objects may flow before our PUBLISH_OK unless FORWARD is 0."""
-        for other in self.requests.values():
-            if (
-                other is not rec
-                and not other.finished
-                and other.track_alias == msg.track_alias
-                and other.track != msg.track
-                and other.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH)
-                and (other.mine is (other.kind is ev.RequestKind.SUBSCRIBE))
-            ):
-                raise PeerViolation(
-                    SessionErrorCode.DUPLICATE_TRACK_ALIAS, f"Track Alias {msg.track_alias} in use"
-                )
         rec.track = msg.track
+        self._check_alias(msg.track_alias, rec)
         rec.params = msg.params
         rec.track_alias = msg.track_alias
         order = msg.params.get(p.GroupOrderParam)

@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvcs_core.moqt.config import SessionConfig
+from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.output import Output
-from kvcs_core.moqt.requests import RequestRecord
+from kvcs_core.moqt.requests import RequestRecord, RequestState
 from kvcs_core.moqt.scheduler import Scheduler, SendKey
 from kvcs_core.moqt.transport_io import (
     AbortKind,
@@ -198,6 +199,8 @@ class Publisher:
         params = rec.params
         prio = params.get(p.SubscriberPriority)
         fwd = params.get(p.Forward)
+        if track_alias is not None:
+            self._check_alias_free(track_alias, store)
         alias = track_alias if track_alias is not None else self._take_alias()
         served = _Served(
             rec=rec,
@@ -323,6 +326,11 @@ class Publisher:
         for sender in served.senders.values():
             sender.fin_when_drained = True
             self._reschedule(sender)
+        for sender in list(served.others):
+            if sender.kind is _Kind.DATAGRAMS:
+                sender.fin_when_drained = True
+                if not sender.queue:
+                    self._mark_finished(sender)
         self._maybe_finish(served)
 
     def cancel(self, rec: RequestRecord) -> None:
@@ -378,16 +386,29 @@ class Publisher:
 
     def poll_data(self, max_bytes: int, now: float) -> WriteStream | SendDatagram | None:
         self.now = max(self.now, now)
-        while True:
-            sid = self._sched.pop_best()  # a turn: equal-priority flows rotate
-            if sid is None:
-                return None
-            sender = self._senders[sid]
-            out = self._produce(sender, max_bytes)
-            self._reschedule(sender)
-            if out is not None:
-                return out
-            # the sender had nothing after all (filtered objects): try the next one
+        blocked: list[_Sender] = []  # datagram flows whose next datagram exceeds max_bytes
+        try:
+            while True:
+                sid = self._sched.pop_best()  # a turn: equal-priority flows rotate
+                if sid is None:
+                    return None
+                sender = self._senders[sid]
+                head = sender.queue[0] if sender.queue else None
+                if (
+                    sender.kind is _Kind.DATAGRAMS
+                    and head is not None
+                    and self._datagram_size(sender.served, head) > max_bytes
+                ):
+                    blocked.append(sender)  # a datagram is never split: wait for room
+                    continue
+                out = self._produce(sender, max_bytes)
+                self._reschedule(sender)
+                if out is not None:
+                    return out
+                # the sender had nothing after all (filtered objects): try the next one
+        finally:
+            for sender in blocked:
+                self._reschedule(sender)
 
     def _produce(self, sender: _Sender, budget: int) -> WriteStream | SendDatagram | None:
         """At most ``budget`` bytes of ``sender``: whole objects while they fit (up to
@@ -401,7 +422,10 @@ class Publisher:
             obj = sender.queue.popleft()
             sender.enqueued.popleft()
             sender.served.queued_bytes -= obj.size
-            return self._datagram(sender.served, obj)
+            out = self._datagram(sender.served, obj)
+            if not sender.queue and sender.fin_when_drained:
+                self._mark_finished(sender)  # no stream to FIN: the flow just ends
+            return out
         assert sender.stream is not None
         chunks: list[memoryview] = []
         objects = 0
@@ -496,6 +520,9 @@ class Publisher:
             chunks.append(obj.payload)
         return chunks
 
+    def _datagram_size(self, served: _Served, obj: StoredObject) -> int:
+        return sum(len(c) for c in self._datagram(served, obj).chunks)
+
     def _datagram(self, served: _Served, obj: StoredObject) -> SendDatagram:
         d = ObjectDatagram(
             track_alias=served.alias,
@@ -555,6 +582,8 @@ class Publisher:
                     self._reschedule(sender)
         served.current_group = group
         if obj.datagram:
+            if self._datagram_size(served, obj) > self._config.max_datagram_size:
+                return  # wire reference 7.6: too big for the path's datagrams: dropped
             sender = self._datagram_sender(served)
         else:
             sender = self._subgroup_sender(served, obj)
@@ -685,9 +714,18 @@ class Publisher:
     # -- helpers --------------------------------------------------------------------------
 
     def _take_alias(self) -> int:
+        in_use = {s.alias for s in self._served.values() if not s.done}
         alias = self._next_alias
-        self._next_alias += 1
+        while alias in in_use:
+            alias += 1
+        self._next_alias = alias + 1
         return alias
+
+    def _check_alias_free(self, alias: int, store: TrackStore) -> None:
+        """d21 3.1.2: one alias must not name two tracks at once in a session."""
+        for s in self._served.values():
+            if not s.done and s.alias == alias and s.store.name != store.name:
+                raise LocalProtocolError(f"Track Alias {alias} already names {s.store.name}")
 
     @staticmethod
     def _last_existing(store: TrackStore, start: Location, end: Location) -> Location | None:
@@ -729,6 +767,7 @@ class Publisher:
             if rec.kind.name == "FETCH" and not served.others:
                 # every object of the FETCH was sent and the stream FIN'd
                 served.done = True
+                rec.state = RequestState.DONE
                 self._served.pop(rec.request_id, None)
                 if not rec.local_fin:
                     self._out.write(rec.stream, fin=True)

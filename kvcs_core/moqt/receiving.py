@@ -94,6 +94,12 @@ class DataReceiver:
         self._fill_orders: dict[int, GroupOrder] = {}
         """Request ID naming a fill (SUBSCRIBE or REQUEST_UPDATE) -> the fill's group order."""
         self._waiting_alias: dict[int, list[StreamRef]] = {}
+        self._held_total = 0
+        """Bytes held for streams whose Track Alias is unknown, over all of them
+        (bounded by ``max_unknown_alias_bytes`` in total)."""
+        self._open = 0
+        """Peer data streams still open (not FIN'd, reset or stopped): what
+        ``max_peer_data_streams`` limits."""
 
     # -- hooks from the session ------------------------------------------------------
 
@@ -109,6 +115,7 @@ class DataReceiver:
         for ref in self._waiting_alias.pop(alias, []):
             st = self.streams.get(ref)
             if st is not None and st.header is not None:
+                self._held_total -= st.held_bytes
                 held, st.held, st.held_bytes = st.held, [], 0
                 self._bind_subgroup(st, st.header)
                 self._deliver(ref, st, held)
@@ -133,9 +140,10 @@ class DataReceiver:
     # -- transport input ----------------------------------------------------------------
 
     def on_new_stream(self, s: StreamRef, data: bytes | memoryview, fin: bool) -> None:
-        if len(self.streams) >= self._config.max_peer_data_streams:
+        if self._open >= self._config.max_peer_data_streams:
             self._out.abort(s, AbortKind.STOP_SENDING, StreamResetCode.EXCESSIVE_LOAD)
             return
+        self._open += 1
         decoder = DataStreamDecoder(
             fetch_group_order=self._order_for, max_payload_size=self._config.max_payload_size
         )
@@ -150,6 +158,7 @@ class DataReceiver:
         if fin:
             st.decoder.close()
             st.fin = True
+            self._open -= 1
         if st.dropping:
             if fin:
                 del self.streams[s]
@@ -244,11 +253,13 @@ class DataReceiver:
                 st.dropping = True
                 continue
             if st.request is None:
-                st.held.append(item)
-                st.held_bytes += _item_size(item)
-                if st.held_bytes > self._config.max_unknown_alias_bytes:
-                    self._stop(s, st)
+                size = _item_size(item)
+                if self._held_total + size > self._config.max_unknown_alias_bytes:
+                    self._stop(s, st)  # d21 7.1: abandon rather than buffer without bound
                     return
+                st.held.append(item)
+                st.held_bytes += size
+                self._held_total += size
                 continue
             if st.request.finished and st.delivery is not Delivery.FETCH:
                 self._stop(s, st)
@@ -306,13 +317,23 @@ class DataReceiver:
 
     def _stop(self, s: StreamRef, st: _RxStream) -> None:
         st.dropping = True
-        st.held.clear()
+        self._release(st)
         if not st.fin:
+            st.fin = True
+            self._open -= 1
             self._out.abort(s, AbortKind.STOP_SENDING, StreamResetCode.CANCELLED)
         self.streams.pop(s, None)
 
+    def _release(self, st: _RxStream) -> None:
+        self._held_total -= st.held_bytes
+        st.held.clear()
+        st.held_bytes = 0
+
     def _ended(self, s: StreamRef, st: _RxStream, reset_code: int | None) -> None:
-        self.streams.pop(s, None)
+        if self.streams.pop(s, None) is not None and not st.fin:
+            st.fin = True
+            self._open -= 1  # reset before FIN
+        self._release(st)
         if st.request is None or st.dropping:
             return
         self._out.emit(

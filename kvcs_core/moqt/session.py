@@ -114,6 +114,10 @@ class MoqtSession(PeerRequests, OwnRequests):
         """REQUEST_UPDATE Request ID -> the request it updates (both directions)."""
         self._goaway_sent = False
         self._goaway_received = False
+        self._dead_streams: set[StreamRef] = set()
+        """Request streams of forgotten requests whose peer half is still open: their
+        late bytes are ignored (QUIC's stream limit bounds how many there can be)."""
+        self._sweep_at = 16
         self._peer_uni: set[StreamRef] = set()
         """Every unidirectional stream the peer opened (control and data)."""
         self._partial_requests: dict[StreamRef, m.ControlStreamDecoder] = {}
@@ -186,6 +190,8 @@ class MoqtSession(PeerRequests, OwnRequests):
         if self._closed:
             return
         self._guard(lambda: self._dispatch(event, now), now)
+        if len(self.requests) >= self._sweep_at:
+            self._sweep()
 
     def handle_timer(self, now: float) -> None:
         """Fire every deadline due at ``now``; early or repeated calls do nothing."""
@@ -366,6 +372,8 @@ class MoqtSession(PeerRequests, OwnRequests):
         """Cancel one of our requests: reset our half, STOP_SENDING theirs (d21 6.4.2.3)."""
         self._advance(now)
         self._check_open()
+        if request_id not in self.requests and 0 <= request_id < self._next_request_id:
+            return  # finished and already forgotten
         rec = self._updatable(request_id)
         if rec.finished:
             return
@@ -409,8 +417,8 @@ class MoqtSession(PeerRequests, OwnRequests):
         """SUBSCRIBE_OK from ``store``; live objects and any fill follow (d21 3.1, 3.4)."""
         self._advance(now)
         rec = self._peer_pending(request_id, ev.RequestKind.SUBSCRIBE)
-        rec.state = RequestState.ESTABLISHED
         self.publisher.accept_subscribe(rec, store, now, track_alias, expires_ms)
+        rec.state = RequestState.ESTABLISHED
         self._answered(rec, now)
 
     def accept_fetch(self, request_id: int, store: TrackStore, *, now: float) -> None:
@@ -581,6 +589,27 @@ class MoqtSession(PeerRequests, OwnRequests):
         if rec.deferred_updates:
             self._guard(lambda: self._run_deferred_updates(rec, now), now)
 
+    def _sweep(self) -> None:
+        """Forget finished requests (amortised: runs when the table doubles), so that a
+        long session does not keep every request it ever saw. A request is forgotten once
+        it is finished, our half of its stream is closed and no data stream is bound to
+        it; a still-open peer half is remembered only as a dead stream."""
+        busy = {id(st.request) for st in self.receiver.streams.values() if st.request}
+        gone: set[int] = set()
+        for rid, rec in list(self.requests.items()):
+            if not (rec.finished and rec.local_fin) or id(rec) in busy or rec.deferred_updates:
+                continue
+            del self.requests[rid]
+            gone.add(rid)
+            if self._by_stream.get(rec.stream) is rec:
+                del self._by_stream[rec.stream]
+                if not rec.peer_fin:
+                    self._dead_streams.add(rec.stream)
+        if gone:
+            for uid in [u for u, owner in self._update_owner.items() if owner in gone]:
+                del self._update_owner[uid]
+        self._sweep_at = max(16, 2 * len(self.requests))
+
     def _check_open(self) -> None:
         if self._closed:
             raise LocalProtocolError("session is closed")
@@ -747,6 +776,9 @@ class MoqtSession(PeerRequests, OwnRequests):
                 )
         elif s in self._peer_uni:
             self.receiver.on_stream_data(s, event.data, event.fin)
+        elif s in self._dead_streams:
+            if event.fin:
+                self._dead_streams.discard(s)
         elif not s.local:
             self._new_peer_request_stream(s, event, now)
 
@@ -858,6 +890,7 @@ class MoqtSession(PeerRequests, OwnRequests):
             raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "control stream reset")
         rec = self._by_stream.get(s)
         if rec is None:
+            self._dead_streams.discard(s)
             self._uni_pending.pop(s, None)
             self.receiver.on_stream_aborted(event)
             self.publisher.on_stream_aborted(event)
