@@ -1,0 +1,167 @@
+"""Consumer mixin: late digest checks, time bounds and the end (profile 3.6, 5.4).
+
+Theory of operation
+-------------------
+*Late digests* (profile 3.6). During production a manifest version lists the
+digests of the layers completed so far, so an Object may be verified before
+its digest is listed (its own Data Digest is checked at once). Such Objects are
+remembered; each later version of their publication is compared with them: a
+listed digest that differs makes the Object missing again
+(:class:`ObjectDiscarded` ``LISTED_DIGEST_MISMATCH``) and the request that
+delivered it no longer covers it, so recovery starts at once. With
+``hold_until_listed`` such Objects are not usable (HELD) until listed, or until
+the manifest marks their segment complete without digests.
+
+*Time bounds* (profile 5.4 "It does not wait indefinitely"). Two clocks:
+
+* stall: when data requests are open and nothing was verified (and no manifest
+  version accepted) for ``stall_timeout``, every open data request is failed
+  and cancelled, HELD Objects become missing, and recovery starts;
+* recovery: from the first missing Object on, ``recovery_time_bound`` runs; each
+  recovered Object restarts it, so recovery that makes progress continues, and
+  recovery that does not is bounded. When it passes, every missing Object is
+  abandoned and listed (layers and blocks) in :class:`RecomputeNeeded`.
+
+*The end.* When no needed Object is missing or held, :class:`RetrievalComplete`
+says whether everything arrived, and every request of the consumer (data,
+manifest and namespace subscriptions) is cancelled.
+"""
+
+from __future__ import annotations
+
+from kvcs_core.kvcs._consumer_core import ConsumerCore, ObjState, Phase, Publication
+from kvcs_core.kvcs._consumer_events import (
+    DiscardReason,
+    LayerReady,
+    ObjectDiscarded,
+    RecomputeNeeded,
+    RecomputeReason,
+    RetrievalComplete,
+)
+
+
+class RecoveryMixin(ConsumerCore):
+    """Late digest checks, the stall and recovery clocks, and the end."""
+
+    # --- later manifest versions ---------------------------------------------------------------
+
+    def _recheck_unlisted(self, pub: Publication, now: float) -> None:
+        """Compare Objects verified before their digest was listed with a new version."""
+        table, manifest = self._table, pub.versions.latest
+        if table is None or manifest is None:
+            return
+        for key in [k for k in self._unlisted if k[0] == pub.id]:
+            _, track, layer = key
+            seg = manifest.segment_of_track(track)
+            if seg is None:
+                continue
+            groups = seg.completed_groups(track)
+            listed_now = groups is not None and layer < groups
+            if not listed_now and not (seg.complete and seg.object_digests is None):
+                continue
+            for oid, (ci, block, digest, session) in self._unlisted.pop(key).items():
+                state = table.get(ci, layer, block)
+                if state not in (ObjState.HELD, ObjState.READY):
+                    continue
+                listed = manifest.digest_of(track, layer, oid) if listed_now else digest
+                if listed == digest:
+                    if state is ObjState.HELD and table.set(ci, layer, block, ObjState.READY):
+                        self._emit(LayerReady(layer=layer))
+                    continue
+                self._emit(
+                    ObjectDiscarded(
+                        reason=DiscardReason.LISTED_DIGEST_MISMATCH,
+                        check=None,
+                        detail=f"manifest version {pub.versions.latest_group} lists another digest",
+                        publication_id=pub.id,
+                        track=track,
+                        layer=layer,
+                        block=oid,
+                        session=session,
+                    )
+                )
+                self._views.pop((ci, layer, block), None)
+                table.set(ci, layer, block, ObjState.GAP)
+                for req in self._active[ci]:  # what it delivered was wrong: not covered now
+                    if req.pub is pub and req.track == track and req.covers(layer, block):
+                        req.fail(layer, block)
+                        req.no_retry = True
+                        self._tried.setdefault(req.key, set()).add(req.session)
+        self._check_done(now)
+
+    # --- timers -------------------------------------------------------------------------
+
+    def _stall_deadline(self) -> float | None:
+        table = self._table
+        if self._phase is not Phase.RETRIEVING or table is None:
+            return None
+        if any(self._active) or table.count(ObjState.HELD):
+            return self._last_progress + self.config.stall_timeout
+        return None
+
+    def _on_stall(self, now: float) -> None:
+        """Nothing verified for ``stall_timeout``: fail every active request (bounded waits)."""
+        table = self._table
+        assert table is not None
+        for reqs in self._active:
+            for req in list(reqs):
+                self._end_request(req, now, cancel=True, forget=True)
+        for ci, layer, b in list(table.each(ObjState.HELD)):
+            self._views.pop((ci, layer, b), None)
+            table.set(ci, layer, b, ObjState.GAP)
+        self._last_progress = now
+        self._reconcile(now)
+
+    def _on_recovery_timeout(self, now: float) -> None:
+        table = self._table
+        assert table is not None
+        lost = list(table.each(ObjState.GAP))
+        for ci, layer, b in lost:
+            table.set(ci, layer, b, ObjState.ABANDONED)
+        self._recovery_deadline = None
+        if lost:
+            self._emit(
+                RecomputeNeeded(
+                    reason=RecomputeReason.RECOVERY_TIMEOUT,
+                    layers=tuple(sorted({layer for _, layer, _ in lost})),
+                    blocks=tuple(sorted({b for _, _, b in lost})),
+                )
+            )
+        for reqs in self._active:
+            for req in list(reqs):
+                if table.missing_in(req.ci, req.layers, req.first, req.end) == 0:
+                    self._end_request(req, now, cancel=True, forget=True)
+        self._reconcile(now)
+
+    # --- the end ------------------------------------------------------------------------
+
+    def _check_done(self, now: float) -> None:
+        table = self._table
+        if self._phase is Phase.RETRIEVING and table is not None and table.unsettled == 0:
+            self._finish(now, complete=table.count(ObjState.ABANDONED) == 0)
+
+    def _finish(self, now: float, *, complete: bool) -> None:
+        """Emit RetrievalComplete and close every request of ours."""
+        if self._phase is Phase.DONE:
+            return
+        self._phase = Phase.DONE
+        for (session, rid), _req in list(self._reqs.items()):
+            self._forget(session, rid, now, cancel=True)
+        for reqs in self._active:
+            for req in reqs:
+                req.active = False
+            reqs.clear()
+        for pub in self._pubs.values():
+            pub.manifest_req = None
+            pub.manifest_deadline = None
+        self._disc_deadline = None
+        self._recovery_deadline = None
+        table, primary = self._table, self._primary
+        self._emit(
+            RetrievalComplete(
+                publication_id=primary.id if primary is not None and table is not None else None,
+                blocks=0 if table is None else table.blocks,
+                layers=self.layers,
+                complete=complete,
+            )
+        )
