@@ -504,9 +504,10 @@ class KvcsPublisher:
         if pending:
             raise SegmentError(f"segments {pending} are not complete")
         self._finished = True
+        # End of Track right after the last version, in its group (see _publish_manifest)
         self._manifest_store.append(
-            self._manifest_group,
-            0,
+            self._manifest_group - 1,
+            1,
             status=ObjectStatus.END_OF_TRACK,
             publisher_priority=MANIFEST_PRIORITY,
         )
@@ -632,10 +633,11 @@ class KvcsPublisher:
             payload = self._signer.sign(payload)
         group = self._manifest_group
         store = self._manifest_store
+        # Object 0 only: End of Track must be able to follow the *last* version in its own
+        # group, so that a late subscriber's fill (RELATIVE_START 1 = the largest group,
+        # profile 5.2) still finds that version; a version's stream is FIN'd when the next
+        # version's group starts.
         store.append(group, 0, payload, publisher_priority=MANIFEST_PRIORITY)
-        store.append(
-            group, 1, status=ObjectStatus.END_OF_GROUP, publisher_priority=MANIFEST_PRIORITY
-        )
         if group:
             # superseded: only the latest version is served to late joiners (queued copies
             # still go out); an evicted version is "unknown", not "does not exist"
