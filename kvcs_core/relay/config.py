@@ -1,0 +1,131 @@
+"""Relay configuration and the accounting snapshots its getters return.
+
+Theory of operation
+-------------------
+Everything a relay holds on behalf of its peers is bounded here (STYLE.md R8),
+next to the outcome of passing the bound (wire reference section 10, d21
+section 7):
+
+* the **cache** is bounded in payload bytes across every track
+  (:attr:`RelayConfig.cache_budget_bytes`); passing it evicts whole groups, in
+  the order documented in :mod:`kvcs_core.relay.cache`;
+* one **slow downstream subscriber** is bounded by its own session's
+  ``SessionConfig.max_queued_bytes_per_subscription``: past it, that session
+  ends the subscription with PUBLISH_DONE TOO_FAR_BEHIND (d21 section 5.2)
+  and nobody else is affected; the relay never queues per subscriber itself;
+* **waiting** is bounded in time: a downstream SUBSCRIBE waits for the
+  upstream fill at most :attr:`RelayConfig.fill_timeout`, an upstream
+  PUBLISH_DONE waits for its data streams at most
+  :attr:`RelayConfig.publish_done_grace`.
+
+The snapshots (:class:`TrackStats`, :class:`RelayStats`) are frozen values,
+built complete when a getter is called.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvcs_core.wire.names import FullTrackName, Location
+
+
+def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, not {value!r}")
+
+
+def _fraction(_inst: object, _attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"evict_to must be in (0, 1], not {value!r}")
+
+
+def _non_negative(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, not {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RelayConfig:
+    """How a :class:`~kvcs_core.relay.relay.Relay` behaves. Durations are seconds."""
+
+    cache_budget_bytes: int = attrs.field(default=1 << 30, validator=_positive)
+    """Object payload bytes cached over all tracks. Above it, whole groups are evicted
+    (:mod:`kvcs_core.relay.cache`) down to ``evict_to`` of the budget; an evicted
+    group is *unknown* again (d21 section 7.1) and re-fetched upstream on demand."""
+    evict_to: float = attrs.field(default=0.9, validator=_fraction)
+    """Fraction of the budget eviction brings the cache down to (a batch, so that a
+    cache at its budget does not sort its tracks on every object)."""
+    fill_timeout: float = attrs.field(default=10.0, validator=_non_negative)
+    """How long downstream SUBSCRIBEs wait for the upstream fill (the part of the track
+    before the relay subscribed) before they are accepted anyway. They then miss what
+    the fill had not delivered yet (exactly-once needs the cache whole, wire ref. 6)."""
+    publish_done_grace: float = attrs.field(default=2.0, validator=_non_negative)
+    """After an upstream PUBLISH_DONE, how long to wait for the data streams it counts
+    (d21 section 9.9, Stream Count) before ending the downstream subscriptions."""
+    pin_time: float = attrs.field(default=1.0, validator=_non_negative)
+    """After a downstream request is served from a track, its groups are not evicted for
+    this long: the session reads a fill or FETCH range from the store lazily, so a group
+    evicted under it would be missing from that response (the cache may pass its budget
+    meanwhile)."""
+    upstream_priority: int = attrs.field(default=128)
+    """SUBSCRIBER_PRIORITY of the relay's own upstream SUBSCRIBEs and FETCHes."""
+    max_tracks: int = attrs.field(default=100_000, validator=_positive)
+    """Tracks the relay keeps state for. A request for a new track beyond it is
+    refused with EXCESSIVE_LOAD (d21 section 7: protect the relay)."""
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.upstream_priority <= 255:
+            raise ValueError(f"upstream_priority must be 0..255, not {self.upstream_priority}")
+
+
+@attrs.frozen(kw_only=True)
+class TrackStats:
+    """What the relay knows about one track, at the time of the call."""
+
+    name: FullTrackName
+    cached_bytes: int
+    """Payload bytes of this track held in the cache now."""
+    cached_objects: int
+    """Objects held now (status objects included)."""
+    objects_received: int
+    """Objects received from upstream, duplicates included."""
+    bytes_received: int
+    """Payload bytes received from upstream, duplicates included."""
+    duplicates: int
+    """Objects received again (an aggregation overlap, a refetch): no-ops in the cache."""
+    evicted_groups: int
+    """Groups evicted so far (some may have been fetched again since)."""
+    evicted_bytes: int
+    """Payload bytes evicted so far."""
+    largest: Location | None
+    """Largest Object known (d21 section 3.1.3)."""
+    complete: bool
+    """End of Track is known and every object before it was received (none evicted)."""
+    upstream_live: bool
+    """An upstream subscription (or PUBLISH) feeds the track now."""
+    downstream_subscriptions: int
+    """Downstream subscriptions served from this track now (accepted, not ended)."""
+    pending_subscriptions: int
+    """Downstream SUBSCRIBEs waiting for the upstream (SUBSCRIBE_OK, fill, refetch)."""
+
+
+@attrs.frozen(kw_only=True)
+class RelayStats:
+    """Relay-wide accounting, at the time of the call."""
+
+    cache_bytes: int
+    """Payload bytes cached now, over every track."""
+    peak_cache_bytes: int
+    """The most ``cache_bytes`` ever was."""
+    upstream_bytes_received: int
+    """Payload bytes received from upstream sessions (subscriptions, fills, fetches)."""
+    upstream_objects_received: int
+    """Objects received from upstream sessions, duplicates included."""
+    evicted_bytes: int
+    """Payload bytes evicted so far."""
+    tracks: int
+    """Tracks the relay keeps state for."""
+    sessions: int
+    """Sessions the relay owns (open ones)."""
+    downstream_subscriptions: int
+    """Downstream subscriptions served now."""

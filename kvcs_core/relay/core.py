@@ -1,0 +1,344 @@
+"""State shared by the relay's halves, and the steps both of them take.
+
+Theory of operation
+-------------------
+:class:`RelayCore` holds the relay's tables (peers, tracks, the cache, the
+router, the timers) and the steps used on both sides of the relay:
+
+* :meth:`RelayCore._serve_pending` answers the downstream SUBSCRIBEs waiting
+  on a track. A SUBSCRIBE is accepted (``accept_subscribe`` from the track's
+  store: the downstream session computes the window and the fill from the
+  store's Largest Object in one step, A27) only when the cache is *whole*: an
+  upstream subscription is established and its own fill completed, so every
+  object up to Largest Object is in the store. That is what makes the
+  downstream exactly-once recipe (NEXT_OBJECT + FILL{ABSOLUTE_START 0,0}, wire
+  reference 6) hold through the relay for subscribers joining at any time:
+  their fill reads the store up to Largest Object, their live part starts
+  right after it, and the store's listener hands them every later object once
+  (d21 section 7.2: "deliver each object to every matching downstream
+  subscription"). With no upstream left, a waiting SUBSCRIBE is served from
+  the cache and ended at once with the track's terminal status (its fill
+  still delivers the cached objects first); with no cache either it is
+  refused (the upstream's error code, or DOES_NOT_EXIST).
+* :meth:`RelayCore._append` feeds one upstream object into the cache and
+  keeps it within budget; a malformed track (d21 section 12.1, wire
+  reference 7.10) ends every downstream request of the track with
+  MALFORMED_TRACK and drops its cache (:meth:`RelayCore._malformed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+from kvcs_core.moqt.errors import LocalProtocolError
+from kvcs_core.moqt.events import ObjectReceived, RequestKind
+from kvcs_core.moqt.requests import RequestState
+from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.moqt.track_store import MalformedTrack
+from kvcs_core.moqt.windows import FetchRange, fetch_range
+from kvcs_core.relay.cache import Cache, CacheEntry
+from kvcs_core.relay.config import RelayConfig
+from kvcs_core.relay.routing import Router
+from kvcs_core.relay.tracks import (
+    DownstreamSubscription,
+    Feed,
+    FeedKind,
+    FeedState,
+    FetchPurpose,
+    Peer,
+    Track,
+)
+from kvcs_core.wire import params as p
+from kvcs_core.wire.codes import MAX_VI64, PublishDoneCode, RequestErrorCode
+from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
+
+
+def next_after(loc: Location) -> Location:
+    """The Location right after ``loc`` in the same group (or the next group's first)."""
+    if loc.object < MAX_VI64:
+        return Location(loc.group, loc.object + 1)
+    return Location(loc.group + 1, 0)
+
+
+def as_request_error(code: int) -> RequestErrorCode:
+    """An upstream REQUEST_ERROR code passed on unchanged, unknown ones as INTERNAL_ERROR."""
+    try:
+        return RequestErrorCode(code)
+    except ValueError:
+        return RequestErrorCode.INTERNAL_ERROR
+
+
+class RelayCore:
+    """The relay's state and shared steps (see the module docstring)."""
+
+    def __init__(self, config: RelayConfig | None = None) -> None:
+        self.config = config or RelayConfig()
+        self._cache = Cache(self.config.cache_budget_bytes, self.config.evict_to)
+        self._router = Router()
+        self._peers: dict[MoqtSession, Peer] = {}
+        self._tracks: dict[FullTrackName, Track] = {}
+        self._timed: dict[Feed | Track, None] = {}
+        """Feeds waiting after PUBLISH_DONE, tracks waiting for their fill: the timers."""
+        self._now = 0.0
+
+    # --- small queries ------------------------------------------------------------------
+
+    def _routes(self, namespace: TrackNamespace, exclude: Peer | None) -> list[Peer]:
+        """Usable upstream peers for a track in ``namespace`` (routing module docstring)."""
+        skip = exclude.session if exclude is not None else None
+        out = [
+            self._peers[s]
+            for s in self._router.routes(namespace, skip)
+            if s in self._peers and self._peers[s].usable
+        ]
+        if out:
+            return out
+        return [
+            peer
+            for peer in self._peers.values()
+            if peer.upstream
+            and peer.usable
+            and peer is not exclude
+            and not self._router.is_publisher(peer.session)
+        ]
+
+    @staticmethod
+    def _pending(peer: Peer, request_id: int, kind: RequestKind | None = None) -> bool:
+        """The peer's request still waits for our answer (not cancelled, session open)."""
+        session = peer.session
+        if session.is_closed:
+            return False
+        rec = session.requests.get(request_id)
+        return (
+            rec is not None
+            and not rec.mine
+            and rec.state is RequestState.PENDING
+            and (kind is None or rec.kind is kind)
+        )
+
+    def _track_for(self, name: FullTrackName) -> Track | None:
+        """The track's state, made if new (``None``: too many tracks). A malformed track
+        starts over: its cache was dropped, and a new request subscribes afresh."""
+        track = self._tracks.get(name)
+        if track is not None and not track.malformed:
+            return track
+        if track is None and len(self._tracks) >= self.config.max_tracks and not self._reclaim():
+            return None
+        track = Track(name)
+        self._tracks[name] = track
+        return track
+
+    def _reclaim(self) -> bool:
+        """Forget the least recently used idle track (no request in flight, nothing
+        served from it), its cache included, to make room for a new one."""
+        victim: Track | None = None
+        for t in self._tracks.values():
+            if t.feeds or t.fetches or t.pending or t.served:
+                continue
+            if victim is None or (t.entry.last_used if t.entry else -1) < (
+                victim.entry.last_used if victim.entry else -1
+            ):
+                victim = t
+        if victim is None:
+            return False
+        self._cache.drop(victim.name)
+        del self._tracks[victim.name]
+        self._timed.pop(victim, None)
+        return True
+
+    def _terminal(self, track: Track) -> tuple[int, str]:
+        """The status a downstream subscription served without upstream ends with."""
+        if track.terminal is not None:
+            return track.terminal
+        entry = track.entry
+        if entry is not None and entry.store.end_of_track is not None:
+            return PublishDoneCode.TRACK_ENDED, "track ended"
+        return PublishDoneCode.INTERNAL_ERROR, "no upstream for this track"
+
+    def _sync_namespaces(self, namespaces: Iterable[TrackNamespace]) -> None:
+        """NAMESPACE / NAMESPACE_DONE so that every downstream SUBSCRIBE_NAMESPACE sees the
+        namespaces that have a source (routing module docstring; d21 9.16, 9.17)."""
+        for sub, ns, announce in self._router.sync(namespaces):
+            session = sub.session
+            rec = session.requests.get(sub.request_id)
+            if session.is_closed or rec is None or rec.state is not RequestState.ESTABLISHED:
+                continue
+            suffix = ns.suffix_after(sub.prefix)
+            if announce:
+                session.send_namespace(sub.request_id, suffix, now=self._now)
+            else:
+                session.send_namespace_done(sub.request_id, suffix, now=self._now)
+
+    # --- answering downstream --------------------------------------------------------------
+
+    def _reject(self, peer: Peer, request_id: int, code: int, reason: str) -> None:
+        if self._pending(peer, request_id):
+            peer.session.reject_request(
+                request_id, as_request_error(code), reason[:1024], now=self._now
+            )
+
+    def _end(self, sub: DownstreamSubscription, status: int, reason: str) -> None:
+        """PUBLISH_DONE for a downstream subscription once its queues drained (the session
+        drains them, d21 9.9). Nothing if the session ended it already (TOO_FAR_BEHIND)."""
+        sub.peer.subscriptions.pop(sub.request_id, None)
+        session = sub.peer.session
+        if session.is_closed:
+            return
+        rec = session.requests.get(sub.request_id)
+        if rec is None or rec.state is not RequestState.ESTABLISHED or rec.local_fin:
+            return
+        session.end_subscription(sub.request_id, status, reason, now=self._now)
+
+    def _serve_pending(self, track: Track) -> None:
+        """Answer the downstream SUBSCRIBEs waiting on ``track`` (module docstring)."""
+        if not track.pending:
+            return
+        if track.malformed:
+            for sub in track.pending:
+                sub.peer.subscriptions.pop(sub.request_id, None)
+                self._reject(
+                    sub.peer, sub.request_id, RequestErrorCode.MALFORMED_TRACK, "malformed"
+                )
+            track.pending.clear()
+            return
+        active = track.active
+        entry = track.entry
+        if active:
+            delivering = any(f.delivering for f in track.feeds)
+            if not delivering or not (track.whole or track.forced):
+                return  # wait: SUBSCRIBE_OK, the upstream fill, or its timeout
+        if entry is None:
+            code, reason = track.last_error or (
+                RequestErrorCode.DOES_NOT_EXIST,
+                "no publisher for this track",
+            )
+            for sub in track.pending:
+                sub.peer.subscriptions.pop(sub.request_id, None)
+                self._reject(sub.peer, sub.request_id, code, reason)
+            track.pending.clear()
+            return
+        for sub in list(track.pending):
+            if not self._pending(sub.peer, sub.request_id, RequestKind.SUBSCRIBE):
+                track.pending.remove(sub)
+                sub.peer.subscriptions.pop(sub.request_id, None)
+                continue
+            groups = self._evicted_needed(entry, sub.params)
+            if groups is not None and self._refetch(track, groups):
+                continue  # the fill would cross evicted groups: get them back first
+            track.pending.remove(sub)
+            sub.peer.session.accept_subscribe(sub.request_id, entry.store, now=self._now)
+            self._served_from(track, reads=self._fill_range(entry, sub.params) is not None)
+            if active:
+                track.served[sub] = None
+            else:
+                status, reason = self._terminal(track)
+                self._end(sub, status, reason)
+
+    def _served_from(self, track: Track, *, reads: bool) -> None:
+        """A downstream request was answered from the track's cache: LRU order, and a pin
+        when the session will read a range of the store (a fill or a FETCH response)."""
+        if track.entry is not None:
+            self._cache.touch(track.entry)
+        if reads:
+            track.pinned_until = max(track.pinned_until, self._now + self.config.pin_time)
+
+    @staticmethod
+    def _fill_range(entry: CacheEntry, params: p.Parameters) -> FetchRange | None:
+        """The fill range a SUBSCRIBE's FILL_PARAMETERS asks for now (d21 3.4, wire ref. 6)."""
+        fill = params.get(p.FillParameters)
+        if fill is None:
+            return None
+        lf = fill.params.get(p.LocationFilter) or params.get(p.LocationFilter)
+        return fetch_range(lf, entry.store.largest)
+
+    def _evicted_needed(self, entry: CacheEntry, params: p.Parameters) -> range | None:
+        """The evicted groups a SUBSCRIBE's fill would cross."""
+        if not entry.evicted:
+            return None
+        rng = self._fill_range(entry, params)
+        if rng is None:
+            return None
+        gs = [g for g in entry.evicted if rng.start.group <= g <= rng.end.group]
+        return range(min(gs), max(gs) + 1) if gs else None
+
+    def _refetch(self, track: Track, groups: range) -> bool:
+        """FETCH evicted ``groups`` upstream (or join such a FETCH); False: no route."""
+        for f in track.fetches:
+            g = f.groups
+            if (
+                f.purpose is FetchPurpose.REFETCH
+                and g is not None
+                and g.start <= groups.start
+                and g.stop >= groups.stop
+            ):
+                return True
+        routes = self._routes(track.name.namespace, None)
+        if not routes:
+            return False
+        peer = routes[0]
+        rid = peer.session.fetch(
+            track.name,
+            now=self._now,
+            location_filter=p.LocationFilter.absolute_group_end(groups.start, 0, groups.stop - 1),
+            priority=self.config.upstream_priority,
+        )
+        feed = Feed(peer, rid, track, FeedKind.FETCH, purpose=FetchPurpose.REFETCH, groups=groups)
+        peer.feeds[rid] = feed
+        track.fetches.append(feed)
+        return True
+
+    # --- the cache feed ------------------------------------------------------------------
+
+    def _append(self, track: Track, entry: CacheEntry, e: ObjectReceived) -> None:
+        """One upstream object into the cache (a duplicate is a no-op)."""
+        try:
+            self._cache.append(entry, e)
+        except (MalformedTrack, ValueError) as exc:
+            self._malformed(track, str(exc))
+            return
+        if self._cache.total_bytes > self._cache.budget:
+            self._cache.evict(self._tier)
+
+    def _tier(self, entry: CacheEntry) -> tuple[int, int | None] | None:
+        """Eviction tier of a track (cache module docstring); None: not now."""
+        track = self._tracks.get(entry.store.name)
+        if track is None:
+            return 0, None
+        if (
+            track.fetches
+            or track.pinned_until > self._now
+            or any(self._evicted_needed(entry, s.params) is not None for s in track.pending)
+        ):
+            return None  # a request waits for this track's groups right now
+        if track.live:
+            largest = entry.store.largest
+            return 2, largest.group if largest is not None else None
+        return (1 if track.served else 0), None
+
+    def _malformed(self, track: Track, reason: str) -> None:
+        """d21 12.1 / wire reference 7.10: end everything downstream with MALFORMED_TRACK,
+        cancel the upstream requests, cache nothing of the track."""
+        track.malformed = True
+        for sub in list(track.served):
+            self._end(sub, PublishDoneCode.MALFORMED_TRACK, "malformed track")
+        track.served.clear()
+        self._serve_pending(track)  # refuses the waiting ones
+        for feed in [*track.feeds, *track.fetches]:
+            feed.state = FeedState.DONE
+            feed.peer.feeds.pop(feed.request_id, None)
+            self._timed.pop(feed, None)
+            session = feed.peer.session
+            if not session.is_closed:
+                with contextlib.suppress(LocalProtocolError):  # finished and forgotten
+                    session.cancel(feed.request_id, now=self._now)
+            for w in feed.waiters:
+                w.peer.fetches.pop(w.request_id, None)
+                self._reject(w.peer, w.request_id, RequestErrorCode.MALFORMED_TRACK, reason)
+        track.feeds.clear()
+        track.fetches.clear()
+        track.early.clear()
+        self._timed.pop(track, None)
+        if track.entry is not None:
+            self._cache.drop(track.name)
+            track.entry = None

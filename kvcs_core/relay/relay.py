@@ -1,0 +1,475 @@
+"""``Relay``: a pure caching MOQT draft-22 relay that fans out without reading payloads.
+
+Theory of operation
+-------------------
+A relay (d21 section 7, wire reference section 10) owns many
+:class:`~kvcs_core.moqt.session.MoqtSession`\\ s, one per connection: downstream
+subscribers, upstream publishers and parent relays. It performs no I/O and
+reads no clock: the embedding drives every session as usual (transport events
+in, commands and data out) and hands every session event to
+:meth:`Relay.handle_session_event` with the current time; the relay answers by
+calling the sessions' local commands (``accept_subscribe``, ``subscribe``,
+``end_subscription``, ...). After a call, drain every session the relay owns
+(the loopback's ``on_event`` callback does exactly that).
+
+The relay is split by concern:
+
+* :mod:`~kvcs_core.relay.routing`: namespaces. PUBLISH_NAMESPACE from a peer
+  is accepted (REQUEST_OK) and makes it a source; SUBSCRIBE_NAMESPACE is
+  answered with NAMESPACE for every matching namespace, now and later, and
+  NAMESPACE_DONE when a source goes away. d22 (B6, A13): PUBLISH_NAMESPACE is
+  never forwarded downstream. Downstream prefixes are also subscribed upstream
+  (parent relays), aggregated per prefix.
+* :mod:`~kvcs_core.relay.cache`: one TrackStore per track, shared by every
+  downstream session, holding the upstream payload views (zero copy); a byte
+  budget with whole-group eviction.
+* :mod:`~kvcs_core.relay.upstream`: one upstream SUBSCRIBE per track and route
+  (aggregation), fill included, feeding the cache; FETCHes upstream; PUBLISH_DONE
+  and session loss.
+* this module: the API, the dispatch, and the downstream requests.
+
+**Downstream SUBSCRIBE** (d21 section 7.2): the Full Track Name is matched
+exactly against the tracks the relay knows. If an upstream subscription is
+established and the cache is whole, the SUBSCRIBE is accepted at once from the
+store; otherwise the relay subscribes upstream (once, for every subscriber) and
+accepts when the upstream SUBSCRIBE_OK arrived and its fill completed, or
+refuses with the upstream's REQUEST_ERROR code, or DOES_NOT_EXIST when no
+route exists (:mod:`~kvcs_core.relay.core`). Objects then reach each
+subscriber exactly once, whenever it joined, through the store and the
+session's fill (wire reference 6). Each downstream session enforces its own
+filters, priorities, delivery timeouts and queue limit: one slow subscriber is
+ended alone with PUBLISH_DONE TOO_FAR_BEHIND when its queue passes its
+session's ``max_queued_bytes_per_subscription`` (d21 section 5.2).
+
+**Downstream FETCH and TRACK_STATUS**: served from the cache when it holds the
+answer, else asked upstream first (:mod:`~kvcs_core.relay.upstream`).
+
+**Not supported**: SUBSCRIBE_TRACKS (refused NOT_SUPPORTED); authorization
+(every request is allowed; filter events before handing them to the relay);
+MAX_CACHE_DURATION (objects are kept until evicted).
+
+Chaining: a relay's upstream session can be a downstream session of another
+relay (trees); a parent relay is a default route for tracks no PUBLISH_NAMESPACE
+covers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.errors import LocalProtocolError
+from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.moqt.windows import fetch_range
+from kvcs_core.relay.config import RelayConfig, RelayStats, TrackStats
+from kvcs_core.relay.routing import (
+    NamespaceSubscription,
+    Source,
+    SourceKind,
+    UpstreamNamespaceSubscription,
+)
+from kvcs_core.relay.tracks import (
+    DownstreamFetch,
+    DownstreamSubscription,
+    Feed,
+    FeedKind,
+    FetchPurpose,
+    Peer,
+    StatusQuery,
+    Track,
+)
+from kvcs_core.relay.upstream import Upstream
+from kvcs_core.wire import params as p
+from kvcs_core.wire.codes import RequestErrorCode
+from kvcs_core.wire.names import FullTrackName, TrackNamespace
+
+__all__ = ["Relay"]
+
+
+class Relay(Upstream):
+    """A caching MOQT relay over many sessions (see the module docstring).
+
+    Args:
+        config: limits and timeouts; :class:`RelayConfig` defaults if omitted.
+    """
+
+    def __init__(self, config: RelayConfig | None = None) -> None:
+        super().__init__(config)
+        handlers: dict[type, Callable[[Peer, Any], None]] = {
+            ev.ObjectReceived: self._on_object,
+            ev.DataStreamEnded: self._on_stream_ended,
+            ev.SubscribeRequested: self._on_subscribe,
+            ev.FetchRequested: self._on_fetch,
+            ev.TrackStatusRequested: self._on_track_status,
+            ev.PublishNamespaceRequested: self._on_publish_namespace,
+            ev.SubscribeNamespaceRequested: self._on_subscribe_namespace,
+            ev.SubscribeTracksRequested: self._on_subscribe_tracks,
+            ev.PublishRequested: self._on_publish_requested,
+            ev.RequestCancelled: self._on_request_cancelled,
+            ev.SubscribeAccepted: self._on_subscribe_accepted,
+            ev.FetchAccepted: self._on_fetch_accepted,
+            ev.RequestAccepted: self._on_request_accepted,
+            ev.RequestFailed: self._on_request_failed,
+            ev.PublishDoneReceived: self._on_publish_done,
+            ev.NamespaceAnnounced: self._on_namespace,
+            ev.NamespaceWithdrawn: self._on_namespace,
+            ev.SetupCompleted: self._on_setup,
+            ev.GoawayReceived: self._on_goaway,
+            ev.SessionClosed: self._on_closed,
+        }
+        self._handlers = handlers
+
+    # ------------------------------------------------------------------ API
+
+    def add_session(self, session: MoqtSession, *, upstream: bool) -> None:
+        """Own ``session`` (started by the embedding, before or after this call).
+
+        Args:
+            session: one connection's session; every event it emits must go to
+                :meth:`handle_session_event` from now on.
+            upstream: ``True`` for a session towards publishers: an origin
+                publisher or a parent relay (a default route for tracks no
+                PUBLISH_NAMESPACE covers, and asked about downstream
+                SUBSCRIBE_NAMESPACE prefixes). ``False`` for subscribers
+                (downstream). Any session may send PUBLISH_NAMESPACE or PUBLISH.
+
+        Raises:
+            LocalProtocolError: the session is already owned or is closed.
+        """
+        if session in self._peers:
+            raise LocalProtocolError("this session is already owned by the relay")
+        if session.is_closed:
+            raise LocalProtocolError("the session is closed")
+        peer = Peer(session, upstream)
+        self._peers[session] = peer
+        if upstream and session.setup_complete:
+            self._on_setup(peer, None)
+
+    def handle_session_event(
+        self, session: MoqtSession, event: ev.SessionEvent, now: float
+    ) -> bool:
+        """React to one event of a session the relay owns; drain the sessions afterwards.
+
+        Never raises because of what a peer sent.
+
+        Returns:
+            ``False`` when ``session`` is not owned by this relay (nothing done).
+
+        Raises:
+            LocalProtocolError: ``now`` went backwards.
+        """
+        peer = self._peers.get(session)
+        if peer is None:
+            return False
+        if now != self._now:
+            self._advance(now)
+        if type(event) is ev.ObjectReceived:  # the hot path: straight into the cache
+            self._on_object(peer, event)
+            return True
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(peer, event)
+        return True
+
+    def handle_timer(self, now: float) -> None:
+        """Fire due deadlines (PUBLISH_DONE grace, fill timeout); early calls do nothing."""
+        self._advance(now)
+        self._fire(now)
+
+    def get_timer(self) -> float | None:
+        """When :meth:`handle_timer` should next be called, or ``None``."""
+        return self._deadline()
+
+    def _advance(self, now: float) -> None:
+        if now < self._now:
+            raise LocalProtocolError(f"time went backwards: {now} < {self._now}")
+        self._now = now
+
+    # ------------------------------------------------------------------ getters
+
+    @property
+    def cache_bytes(self) -> int:
+        """Payload bytes cached now, over every track."""
+        return self._cache.total_bytes
+
+    @property
+    def peak_cache_bytes(self) -> int:
+        return self._cache.peak_bytes
+
+    @property
+    def upstream_bytes_received(self) -> int:
+        """Payload bytes received from upstream (duplicates included)."""
+        return self._cache.received_bytes
+
+    @property
+    def sessions(self) -> tuple[MoqtSession, ...]:
+        return tuple(self._peers)
+
+    def tracks(self) -> tuple[FullTrackName, ...]:
+        """Every track the relay keeps state for."""
+        return tuple(self._tracks)
+
+    def namespaces(self) -> tuple[TrackNamespace, ...]:
+        """Every namespace a source is known for."""
+        return self._router.namespaces()
+
+    def track_stats(self, name: FullTrackName) -> TrackStats | None:
+        """Accounting for one track, or ``None`` if the relay does not know it."""
+        track = self._tracks.get(name)
+        if track is None:
+            return None
+        entry = track.entry
+        store = entry.store if entry is not None else None
+        return TrackStats(
+            name=name,
+            cached_bytes=store.total_bytes if store is not None else 0,
+            cached_objects=len(store) if store is not None else 0,
+            objects_received=entry.objects_received if entry is not None else 0,
+            bytes_received=entry.bytes_received if entry is not None else 0,
+            duplicates=entry.duplicates if entry is not None else 0,
+            evicted_groups=entry.evicted_groups if entry is not None else 0,
+            evicted_bytes=entry.evicted_bytes if entry is not None else 0,
+            largest=store.largest if store is not None else None,
+            complete=track.complete,
+            upstream_live=track.live,
+            downstream_subscriptions=len(track.served),
+            pending_subscriptions=len(track.pending),
+        )
+
+    def stats(self) -> RelayStats:
+        """Relay-wide accounting."""
+        cache = self._cache
+        return RelayStats(
+            cache_bytes=cache.total_bytes,
+            peak_cache_bytes=cache.peak_bytes,
+            upstream_bytes_received=cache.received_bytes,
+            upstream_objects_received=cache.received_objects,
+            evicted_bytes=cache.evicted_bytes,
+            tracks=len(self._tracks),
+            sessions=len(self._peers),
+            downstream_subscriptions=sum(len(t.served) for t in self._tracks.values()),
+        )
+
+    # ------------------------------------------------------------------ downstream requests
+
+    def _on_subscribe(self, peer: Peer, e: ev.SubscribeRequested) -> None:
+        if not self._pending(peer, e.request_id, ev.RequestKind.SUBSCRIBE):
+            return
+        track = self._track_for(e.track)
+        if track is None:
+            self._reject(peer, e.request_id, RequestErrorCode.EXCESSIVE_LOAD, "too many tracks")
+            return
+        sub = DownstreamSubscription(peer, e.request_id, e.params, track)
+        peer.subscriptions[e.request_id] = sub
+        track.pending.append(sub)
+        if not track.active and not track.complete:
+            self._subscribe_upstream(track, exclude=peer)
+        self._serve_pending(track)
+
+    def _on_fetch(self, peer: Peer, e: ev.FetchRequested) -> None:
+        if not self._pending(peer, e.request_id, ev.RequestKind.FETCH):
+            return
+        track = self._track_for(e.track)
+        if track is None:
+            self._reject(peer, e.request_id, RequestErrorCode.EXCESSIVE_LOAD, "too many tracks")
+            return
+        fetch = DownstreamFetch(peer, e.request_id, e.params, track)
+        lf = e.params.get(p.LocationFilter)
+        if self._fetch_cached(track, lf):
+            self._accept_fetch(fetch)
+            return
+        routes = self._routes(track.name.namespace, peer)
+        if not routes:
+            if track.entry is not None:
+                self._accept_fetch(fetch)  # what the cache has (INVALID_RANGE if nothing)
+            else:
+                self._reject(
+                    peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no publisher for track"
+                )
+            return
+        peer.fetches[e.request_id] = fetch
+        key = (lf,)
+        for f in track.fetches:
+            if f.purpose is FetchPurpose.SERVE and f.filter_key == key:
+                f.waiters.append(fetch)  # the same range is being fetched: share it
+                return
+        up = routes[0]
+        rid = up.session.fetch(
+            track.name,
+            now=self._now,
+            location_filter=lf,
+            priority=self.config.upstream_priority,
+        )
+        feed = Feed(
+            up,
+            rid,
+            track,
+            FeedKind.FETCH,
+            purpose=FetchPurpose.SERVE,
+            filter_key=key,
+            waiters=[fetch],
+        )
+        up.feeds[rid] = feed
+        track.fetches.append(feed)
+
+    def _fetch_cached(self, track: Track, lf: p.LocationFilter | None) -> bool:
+        """The cache alone answers a FETCH of ``lf`` (upstream module docstring)."""
+        entry = track.entry
+        if entry is None or not track.whole:
+            return False
+        store = entry.store
+        if track.active and not track.live:
+            return False  # (re)subscribing: the cached Largest Object may be stale
+        rng = fetch_range(lf, store.largest)
+        return rng is None or not any(rng.start.group <= g <= rng.end.group for g in entry.evicted)
+
+    def _on_track_status(self, peer: Peer, e: ev.TrackStatusRequested) -> None:
+        """TRACK_STATUS (d21 9.13, wire ref. 10): from a live cache, else asked upstream."""
+        if not self._pending(peer, e.request_id, ev.RequestKind.TRACK_STATUS):
+            return
+        track = self._tracks.get(e.track)
+        entry = track.entry if track is not None else None
+        if entry is not None and track is not None and (track.live or track.complete):
+            peer.session.accept_track_status(e.request_id, entry.store, now=self._now)
+            return
+        routes = self._routes(e.track.namespace, peer)
+        if routes:
+            track = track if track is not None else self._track_for(e.track)
+            if track is not None:
+                up = routes[0]
+                rid = up.session.track_status(e.track, now=self._now)
+                up.statuses[rid] = StatusQuery(track, [(peer, e.request_id)])
+                return
+        if entry is not None:
+            peer.session.accept_track_status(e.request_id, entry.store, now=self._now)
+        else:
+            self._reject(peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no such track")
+
+    def _on_subscribe_tracks(self, peer: Peer, e: ev.SubscribeTracksRequested) -> None:
+        self._reject(peer, e.request_id, RequestErrorCode.NOT_SUPPORTED, "SUBSCRIBE_TRACKS")
+
+    def _on_publish_namespace(self, peer: Peer, e: ev.PublishNamespaceRequested) -> None:
+        """d21 7.5 / wire ref. 10: accept, record the source, tell the namespace
+        subscribers with NAMESPACE (never forward the PUBLISH_NAMESPACE itself, A13)."""
+        if not self._pending(peer, e.request_id, ev.RequestKind.PUBLISH_NAMESPACE):
+            return
+        peer.session.accept_request(e.request_id, now=self._now)
+        peer.published[e.request_id] = e.namespace
+        self._router.add_source(
+            e.namespace, Source(peer.session, SourceKind.PUBLISH_NAMESPACE, e.request_id)
+        )
+        self._sync_namespaces([e.namespace])
+        for track in list(self._tracks.values()):
+            if (
+                (track.pending or track.served)
+                and not track.active
+                and e.namespace.is_prefix_of(track.name.namespace)
+            ):
+                self._subscribe_upstream(track, None)
+
+    def _on_subscribe_namespace(self, peer: Peer, e: ev.SubscribeNamespaceRequested) -> None:
+        if not self._pending(peer, e.request_id, ev.RequestKind.SUBSCRIBE_NAMESPACE):
+            return
+        peer.session.accept_request(e.request_id, now=self._now)
+        self._router.add_subscription(NamespaceSubscription(peer.session, e.request_id, e.prefix))
+        self._sync_namespaces([ns for ns in self._router.namespaces() if e.prefix.is_prefix_of(ns)])
+        for up in list(self._peers.values()):
+            if up.upstream and up is not peer and up.usable:
+                self._ensure_upstream_namespace(up, e.prefix)
+
+    def _ensure_upstream_namespace(self, peer: Peer, prefix: TrackNamespace) -> None:
+        """SUBSCRIBE_NAMESPACE upstream for ``prefix`` unless one covers it (routing)."""
+        session = peer.session
+        covered, narrower = self._router.upstream_plan(session, prefix)
+        if covered:
+            return
+        for up in narrower:
+            self._router.remove_upstream(session, up.request_id)
+            with contextlib.suppress(LocalProtocolError):  # finished and forgotten already
+                session.cancel(up.request_id, now=self._now)
+        rid = session.subscribe_namespace(prefix, now=self._now)
+        self._router.add_upstream(UpstreamNamespaceSubscription(session, rid, prefix))
+        for up in narrower:
+            self._router.reattribute(session, up.request_id, rid)
+
+    def _on_request_cancelled(self, peer: Peer, e: ev.RequestCancelled) -> None:
+        rid = e.request_id
+        sub = peer.subscriptions.pop(rid, None)
+        if sub is not None:
+            track = sub.track
+            if sub in track.pending:
+                track.pending.remove(sub)
+            track.served.pop(sub, None)
+            return
+        fetch = peer.fetches.pop(rid, None)
+        if fetch is not None:
+            for f in fetch.track.fetches:
+                if fetch in f.waiters:
+                    f.waiters.remove(fetch)
+            return
+        if self._router.remove_subscription(peer.session, rid):
+            return
+        ns = peer.published.pop(rid, None)
+        if ns is not None:  # the publisher withdrew its PUBLISH_NAMESPACE
+            self._router.remove_source(ns, Source(peer.session, SourceKind.PUBLISH_NAMESPACE, rid))
+            self._sync_namespaces([ns])
+            return
+        feed = peer.feeds.get(rid)
+        if feed is not None and feed.kind is FeedKind.PUBLISH:
+            self._finalize(feed, lost=True)  # the publisher reset its PUBLISH
+
+    # ------------------------------------------------------------------ session life
+
+    def _on_setup(self, peer: Peer, _e: object) -> None:
+        if peer.upstream and peer.usable:
+            for sub in self._router.subscriptions():
+                if sub.session is not peer.session:
+                    self._ensure_upstream_namespace(peer, sub.prefix)
+
+    def _on_goaway(self, peer: Peer, e: ev.GoawayReceived) -> None:
+        if e.request_id is None:
+            peer.goaway = True  # d21 9.2: no new requests on this session
+
+    def _on_closed(self, peer: Peer, _e: ev.SessionClosed) -> None:
+        """Forget the session: its downstream requests, the namespaces it served
+        (NAMESPACE_DONE), and its upstream feeds (failover or PUBLISH_DONE downstream)."""
+        peer.closed = True
+        session = peer.session
+        del self._peers[session]
+        for sub in peer.subscriptions.values():
+            track = sub.track
+            if sub in track.pending:
+                track.pending.remove(sub)
+            track.served.pop(sub, None)
+        peer.subscriptions.clear()
+        for fetch in peer.fetches.values():
+            for f in fetch.track.fetches:
+                if fetch in f.waiters:
+                    f.waiters.remove(fetch)
+        peer.fetches.clear()
+        for ns_sub in self._router.subscriptions_of(session):
+            self._router.remove_subscription(session, ns_sub.request_id)
+        changed: list[TrackNamespace] = []
+        for ns, source in self._router.sources_of(session):
+            self._router.remove_source(ns, source)
+            changed.append(ns)
+        for up in self._router.upstream_of(session):
+            self._router.remove_upstream(session, up.request_id)
+        self._sync_namespaces(changed)
+        for feed in list(peer.feeds.values()):
+            if feed.kind is FeedKind.FETCH:
+                self._fetch_done(
+                    feed, ok=False, code=RequestErrorCode.INTERNAL_ERROR, reason="upstream lost"
+                )
+            else:
+                self._finalize(feed, lost=True)
+        for query in peer.statuses.values():
+            entry = query.track.entry
+            for down, rid in query.waiters:
+                if entry is not None and self._pending(down, rid):
+                    down.session.accept_track_status(rid, entry.store, now=self._now)
+                else:
+                    self._reject(down, rid, RequestErrorCode.INTERNAL_ERROR, "upstream lost")
+        peer.statuses.clear()

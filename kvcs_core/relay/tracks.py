@@ -1,0 +1,237 @@
+"""Per-peer, per-track and per-request state of the relay (no logic beyond small queries).
+
+Theory of operation
+-------------------
+The relay splits its state by lifetime (STYLE.md R11):
+
+* :class:`Peer`: one per session the relay owns, for the life of the session;
+  it indexes that session's requests by Request ID, which is how every event
+  (all events name a request, d21 section 6.4.2.1) finds its state in O(1).
+* :class:`Track`: one per Full Track Name the relay has been asked about; it
+  owns the cache entry (the TrackStore) and links the *feeds* that fill it
+  with the downstream requests served from it.
+* :class:`Feed`: one upstream request that delivers objects into a track:
+  the relay's SUBSCRIBE (live objects plus a fill, wire reference 6), a
+  PUBLISH a publisher sent us (d21 section 9.8), or the relay's FETCH (to serve
+  a downstream FETCH, to make the cache whole after a failed fill, or to get
+  evicted groups back).
+* :class:`DownstreamSubscription` / :class:`DownstreamFetch`: a downstream
+  request waiting for the track or served from it.
+
+Life of an upstream subscription (wire reference 4.5, d21 section 9.9)::
+
+    PENDING --SUBSCRIBE_OK--> LIVE --PUBLISH_DONE--> ENDING --streams seen--> DONE
+    PENDING --REQUEST_ERROR--> DONE          LIVE/ENDING --session lost--> DONE
+
+``ENDING`` waits until the data streams PUBLISH_DONE counts have ended (or
+``publish_done_grace`` passed), so that objects still in flight reach the
+cache before the downstream subscriptions are ended.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from kvcs_core.moqt.events import ObjectReceived
+from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.relay.cache import CacheEntry
+from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
+from kvcs_core.wire.params import Parameters
+
+
+class FeedKind(enum.IntEnum):
+    SUBSCRIBE = 1
+    """The relay's SUBSCRIBE upstream: NEXT_OBJECT + FILL{ABSOLUTE_START} (exactly once)."""
+    PUBLISH = 2
+    """A PUBLISH from a publisher, accepted by the relay."""
+    FETCH = 3
+    """The relay's FETCH upstream."""
+
+
+class FeedState(enum.IntEnum):
+    PENDING = 1
+    LIVE = 2
+    ENDING = 3
+    DONE = 4
+
+
+class FetchPurpose(enum.IntEnum):
+    """Why the relay fetches upstream."""
+
+    SERVE = 1
+    """Downstream FETCHes wait for the range (it was not fully cached)."""
+    REFILL = 2
+    """Make the cache whole below a point (a fill failed, a PUBLISH started mid-track)."""
+    REFETCH = 3
+    """Get evicted groups back for a waiting downstream request."""
+
+
+@attrs.define(eq=False)
+class Peer:
+    """One session the relay owns."""
+
+    session: MoqtSession
+    upstream: bool
+    goaway: bool = False
+    closed: bool = False
+    feeds: dict[int, Feed] = attrs.field(factory=dict)
+    """Our upstream requests on this session that deliver objects, by Request ID."""
+    statuses: dict[int, StatusQuery] = attrs.field(factory=dict)
+    """Our TRACK_STATUS requests on this session, by Request ID."""
+    subscriptions: dict[int, DownstreamSubscription] = attrs.field(factory=dict)
+    fetches: dict[int, DownstreamFetch] = attrs.field(factory=dict)
+    published: dict[int, TrackNamespace] = attrs.field(factory=dict)
+    """PUBLISH_NAMESPACE requests of the peer we accepted: Request ID -> namespace."""
+
+    orphans: dict[int, list[ObjectReceived]] = attrs.field(factory=dict)
+    """Objects of a peer's PUBLISH that arrived before its PublishRequested event."""
+
+    @property
+    def usable(self) -> bool:
+        """New requests may be sent on this session."""
+        return not self.closed and not self.goaway and not self.session.is_closed
+
+
+@attrs.define(eq=False)
+class Feed:
+    """An upstream request delivering objects into a track (module docstring)."""
+
+    peer: Peer
+    request_id: int
+    track: Track
+    kind: FeedKind
+    state: FeedState = FeedState.PENDING
+    fill_from: Location | None = None
+    """SUBSCRIBE: where the requested fill starts."""
+    fill_open: bool = False
+    """A fill stream is expected (SUBSCRIBE_OK's Largest Object was at/after fill_from)."""
+    fill_ended: bool = False
+    fill_reset: int | None = None
+    fill_end: Location | None = None
+    whole: bool = False
+    """SUBSCRIBE/PUBLISH: everything before this feed's live part is cached (its fill
+    completed, or there was nothing before it): while it delivers, the cache is whole
+    up to Largest Object."""
+    streams_ended: int = 0
+    done_streams: int | None = None
+    done_status: int = 0
+    done_reason: str = ""
+    deadline: float | None = None
+    # FETCH feeds
+    purpose: FetchPurpose | None = None
+    accepted: bool = False
+    stream_done: bool = False
+    waiters: list[DownstreamFetch] = attrs.field(factory=list)
+    reset_code: int | None = None
+    """FETCH: the response stream was reset with this code."""
+    refill_of: Feed | None = None
+    """REFILL: the subscription or PUBLISH this fetch completes."""
+    groups: range | None = None
+    """REFETCH: the groups asked for."""
+    filter_key: tuple[object, ...] | None = None
+    """SERVE: what was asked, so that identical downstream FETCHes share one request."""
+
+    @property
+    def active(self) -> bool:
+        """A subscription or PUBLISH that is pending or delivering."""
+        return self.kind is not FeedKind.FETCH and self.state in (
+            FeedState.PENDING,
+            FeedState.LIVE,
+            FeedState.ENDING,
+        )
+
+    @property
+    def live(self) -> bool:
+        return self.kind is not FeedKind.FETCH and self.state is FeedState.LIVE
+
+    @property
+    def delivering(self) -> bool:
+        """Established and not finished (LIVE, or ENDING while streams drain)."""
+        return self.kind is not FeedKind.FETCH and self.state in (
+            FeedState.LIVE,
+            FeedState.ENDING,
+        )
+
+
+@attrs.define(eq=False)
+class DownstreamSubscription:
+    peer: Peer
+    request_id: int
+    params: Parameters
+    track: Track
+
+
+@attrs.define(eq=False)
+class DownstreamFetch:
+    peer: Peer
+    request_id: int
+    params: Parameters
+    track: Track
+
+
+@attrs.define(eq=False)
+class StatusQuery:
+    """Our TRACK_STATUS upstream, answering downstream TRACK_STATUS requests."""
+
+    track: Track
+    waiters: list[tuple[Peer, int]] = attrs.field(factory=list)
+
+
+@attrs.define(eq=False)
+class Track:
+    """Everything the relay knows about one Full Track Name."""
+
+    name: FullTrackName
+    entry: CacheEntry | None = None
+    early: list[ObjectReceived] = attrs.field(factory=list)
+    """Objects that arrived before the store could be made (a fill before SUBSCRIBE_OK)."""
+    feeds: list[Feed] = attrs.field(factory=list)
+    """Upstream SUBSCRIBEs and PUBLISHes (any state but DONE)."""
+    fetches: list[Feed] = attrs.field(factory=list)
+    """Upstream FETCHes in flight."""
+    contiguous: bool = False
+    """Every object from {0,0} to Largest Object was received (some may be evicted since:
+    ``entry.evicted``). Required before a downstream SUBSCRIBE is accepted, so that the
+    session's fill from the cache misses nothing (exactly once, wire reference 6)."""
+    forced: bool = False
+    """The fill wait timed out: accept downstream SUBSCRIBEs without ``contiguous``."""
+    fill_deadline: float | None = None
+    pending: list[DownstreamSubscription] = attrs.field(factory=list)
+    """Downstream SUBSCRIBEs not answered yet."""
+    served: dict[DownstreamSubscription, None] = attrs.field(factory=dict)
+    """Downstream subscriptions accepted and not ended by the relay."""
+    terminal: tuple[int, str] | None = None
+    """How the upstream ended the track last (PUBLISH_DONE status, reason)."""
+    last_error: tuple[int, str] | None = None
+    """The last upstream REQUEST_ERROR for a SUBSCRIBE of this track."""
+    malformed: bool = False
+    pinned_until: float = 0.0
+    """No eviction from this track before then (``RelayConfig.pin_time``)."""
+
+    @property
+    def live(self) -> bool:
+        return any(f.live for f in self.feeds)
+
+    @property
+    def whole(self) -> bool:
+        """The cache holds (or held, before evictions) every object up to Largest Object."""
+        if any(f.delivering and f.whole for f in self.feeds):
+            return True
+        return self.contiguous and not any(f.delivering for f in self.feeds)
+
+    @property
+    def active(self) -> bool:
+        return any(f.active for f in self.feeds)
+
+    @property
+    def complete(self) -> bool:
+        """End of Track known and nothing before it missing or evicted."""
+        entry = self.entry
+        return (
+            entry is not None
+            and self.whole
+            and entry.store.end_of_track is not None
+            and not entry.evicted
+        )
