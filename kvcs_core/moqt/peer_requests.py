@@ -195,7 +195,7 @@ class PeerRequests(SessionCore):
                 other is rec
                 or other.mine
                 or other.kind is not rec.kind
-                or other.state is not RequestState.ESTABLISHED
+                or other.finished  # pending ones count too: both could be accepted otherwise
                 or other.namespace is None
             ):
                 continue

@@ -776,6 +776,7 @@ class Publisher:
         if served.senders or served.others:
             return
         served.done = True
+        rec.state = RequestState.DONE  # also when the publisher ended it (TOO_FAR_BEHIND)
         self._served.pop(rec.request_id, None)
         status, reason = served.ending
         if not rec.local_fin:
