@@ -12,6 +12,7 @@ any harness crashed or could not be run, 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -23,7 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FUZZ_DIR = Path(__file__).resolve().parent
-HARNESSES = ("control", "subgroup", "fetch", "datagram", "params")
+HARNESSES = (
+    "control",
+    "subgroup",
+    "fetch",
+    "datagram",
+    "params",
+    "session",
+    "kvcs_payload",
+    "kvcs_names",
+    "kvcs_manifest",
+)
 
 _EXECS = re.compile(r"stat::number_of_executed_units:\s*(\d+)")
 _DONE = re.compile(r"Done (\d+) runs in (\d+) second")
@@ -69,8 +80,11 @@ def run_one(name: str, seconds: int, max_len: int) -> Result:
         ]
         t0 = time.monotonic()
         try:
+            # the harnesses import this checkout's packages, whatever is installed
+            env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
             proc = subprocess.run(
                 cmd,
+                env=env,
                 capture_output=True,
                 text=True,
                 errors="replace",

@@ -28,7 +28,17 @@ from kvcs_core.wire.errors import CodecError
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ_DIR = ROOT / "fuzz"
 CORPUS = FUZZ_DIR / "corpus"
-NAMES = ("control", "subgroup", "fetch", "datagram", "params")
+NAMES = (
+    "control",
+    "subgroup",
+    "fetch",
+    "datagram",
+    "params",
+    "session",
+    "kvcs_payload",
+    "kvcs_names",
+    "kvcs_manifest",
+)
 
 if str(FUZZ_DIR) not in sys.path:
     sys.path.insert(0, str(FUZZ_DIR))
