@@ -72,5 +72,8 @@ class SessionConfig:
     """Largest QUIC DATAGRAM payload we send (the path's datagram size; the adapter knows
     better and should set it). An object whose datagram would be larger is dropped
     silently (wire reference 7.6)."""
+    publish_done_grace: float = 2.0
+    """After PUBLISH_DONE, how long to keep receiving a subscription's streams still in
+    flight when fewer than its Stream Count have been seen (d21 9.9)."""
     retry_interval_ms: int = 1000
     """Retry Interval we suggest when refusing for load (d21 section 9.4.2)."""

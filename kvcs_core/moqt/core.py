@@ -40,6 +40,7 @@ class SessionCore:
     _update_owner: dict[int, int]
     _partial_requests: dict[StreamRef, m.ControlStreamDecoder]
     _goaway_sent: bool
+    _last_now: float
     tokens: TokenCache
 
     def _check_alias(self, alias: int, rec: RequestRecord) -> None:

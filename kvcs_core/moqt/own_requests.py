@@ -107,7 +107,7 @@ class OwnRequests(SessionCore):
                     reason=msg.reason.decode("utf-8", "replace"),
                 )
             )
-            self.receiver.request_finished(rec)
+            self.receiver.publish_done(rec, msg.stream_count, self._last_now)
             return True
         if subscription and isinstance(msg, m.PublishStateNotify):
             largest = msg.params.get(p.LargestObject)

@@ -94,6 +94,11 @@ class DataReceiver:
         self._fill_orders: dict[int, GroupOrder] = {}
         """Request ID naming a fill (SUBSCRIBE or REQUEST_UPDATE) -> the fill's group order."""
         self._waiting_alias: dict[int, list[StreamRef]] = {}
+        self._seen: dict[int, int] = {}
+        """Data streams bound to each subscription (subgroup and fill streams)."""
+        self._draining: dict[int, tuple[int | None, float]] = {}
+        """Subscriptions whose PUBLISH_DONE arrived while streams may still be in flight:
+        Request ID -> (Stream Count, or None if unknown; give-up time) (d21 9.9)."""
         self._held_total = 0
         """Bytes held for streams whose Track Alias is unknown, over all of them
         (bounded by ``max_unknown_alias_bytes`` in total)."""
@@ -129,6 +134,40 @@ class DataReceiver:
 
     def fetch_accepted(self, rec: RequestRecord) -> None:
         """Nothing to do: fetch streams are bound by Request ID as they arrive."""
+
+    def publish_done(self, rec: RequestRecord, stream_count: int, now: float) -> None:
+        """PUBLISH_DONE: keep receiving until Stream Count streams were seen and ended, or
+        ``publish_done_grace`` passes (d21 9.9, wire reference 4.5); then forget it."""
+        expected = None if stream_count == (1 << 64) - 1 else stream_count
+        self._draining[rec.request_id] = (expected, now + self._config.publish_done_grace)
+        self._check_drained(rec)
+
+    def _check_drained(self, rec: RequestRecord) -> None:
+        expected, _ = self._draining[rec.request_id]
+        if expected is None or self._seen.get(rec.request_id, 0) < expected:
+            return
+        if any(st.request is rec and not st.fin for st in self.streams.values()):
+            return
+        self._stop_draining(rec)
+
+    def _stop_draining(self, rec: RequestRecord) -> None:
+        del self._draining[rec.request_id]
+        self._seen.pop(rec.request_id, None)
+        self.request_finished(rec)
+
+    def next_deadline(self) -> float | None:
+        return min((d for _, d in self._draining.values()), default=None)
+
+    def on_timer(self, now: float) -> None:
+        for rid, (_, deadline) in list(self._draining.items()):
+            rec = self._requests.get(rid)
+            if deadline <= now and rec is not None:
+                self._stop_draining(rec)
+            elif rec is None:
+                del self._draining[rid]
+
+    def _live(self, rec: RequestRecord) -> bool:
+        return not rec.finished or rec.request_id in self._draining
 
     def request_finished(self, rec: RequestRecord) -> None:
         """The request ended: forget its alias and stop its remaining streams."""
@@ -222,8 +261,10 @@ class DataReceiver:
             if owner is not None and _we_subscribe(owner):
                 st.request, st.delivery = owner, Delivery.FILL
         st.via_request_id = rid
-        if st.request is None or st.request.finished:
+        if st.request is None or not self._live(st.request):
             st.dropping = True
+        elif st.delivery is Delivery.FILL:
+            self._seen[st.request.request_id] = self._seen.get(st.request.request_id, 0) + 1
 
     def _bind_subgroup(self, st: _RxStream, header: SubgroupHeader) -> None:
         sub = self._by_alias.get(header.track_alias)
@@ -235,6 +276,8 @@ class DataReceiver:
         st.request = sub.request
         st.via_request_id = sub.request.request_id
         st.delivery = Delivery.SUBSCRIPTION
+        rid = sub.request.request_id
+        self._seen[rid] = self._seen.get(rid, 0) + 1
 
     def _deliver(self, s: StreamRef, st: _RxStream, items: list[DataStreamItem]) -> None:
         for item in items:
@@ -261,7 +304,7 @@ class DataReceiver:
                 st.held_bytes += size
                 self._held_total += size
                 continue
-            if st.request.finished and st.delivery is not Delivery.FETCH:
+            if not self._live(st.request) and st.delivery is not Delivery.FETCH:
                 self._stop(s, st)
                 return
             self._emit_item(st, item)
@@ -345,6 +388,9 @@ class DataReceiver:
                 reset_code=reset_code,
             )
         )
+        rec = st.request
+        if rec is not None and rec.request_id in self._draining:
+            self._check_drained(rec)
 
 
 def _we_subscribe(rec: RequestRecord) -> bool:

@@ -170,11 +170,16 @@ class MoqtSession(PeerRequests, OwnRequests):
     def get_timer(self) -> float | None:
         if self._closed:
             return None
-        fixed = self._timers.earliest()
-        data = self.publisher.next_deadline()
-        if fixed is None or (data is not None and data < fixed):
-            return data
-        return fixed
+        deadlines = [
+            t
+            for t in (
+                self._timers.earliest(),
+                self.publisher.next_deadline(),
+                self.receiver.next_deadline(),
+            )
+            if t is not None
+        ]
+        return min(deadlines, default=None)
 
     def poll_data(self, max_bytes: int) -> WriteStream | SendDatagram | None:
         """The next object data to send, at most ``max_bytes`` of it (pull-based, R9)."""
@@ -935,6 +940,7 @@ class MoqtSession(PeerRequests, OwnRequests):
                         SessionErrorCode.CONTROL_MESSAGE_TIMEOUT, f"no answer to request {key}"
                     )
         self.publisher.on_timer(now)
+        self.receiver.on_timer(now)
 
     def _close(self, code: int, reason: str, initiator: ev.Initiator) -> None:
         if self._closed:
