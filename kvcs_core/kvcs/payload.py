@@ -174,17 +174,31 @@ def build_payload_parts(
     view = _byte_view(data)
     if len(view) > MAX_DATA_LENGTH:
         raise PayloadEncodeError(f"Data of {len(view)} octets exceeds the u32 Data Length")
-    header = ObjectHeader(
-        component=component,
-        layer=layer,
-        block_index=block_index,
-        token_start=token_start,
-        token_count=token_count,
-        codec=codec,
-        data_length=len(view),
-        data_digest=hashlib.sha256(view).digest(),
-    )
-    return header.encode(), view
+    if int(component) not in _COMPONENTS:
+        raise PayloadEncodeError(f"Component {component!r} is not 1, 2 or 3")
+    fields = (layer, block_index, token_start, token_count, codec)
+    if any(type(f) is not int for f in fields):  # bool and float are not header fields
+        raise PayloadEncodeError(f"header fields must be ints, got {fields!r}")
+    try:
+        # the fixed-width pack is the range check (struct.error for a field that does
+        # not fit its slot); no header object is built on this per-Object path
+        header = _HEADER.pack(
+            MAGIC,
+            VERSION,
+            component,
+            0,
+            layer,
+            block_index,
+            token_start,
+            token_count,
+            codec,
+            0,
+            len(view),
+            hashlib.sha256(view).digest(),
+        )
+    except struct.error as e:
+        raise PayloadEncodeError(f"a header field is out of range: {e}") from None
+    return header, view
 
 
 # --- receiving ----------------------------------------------------------------
@@ -273,23 +287,30 @@ def parse_header(payload: Buffer) -> ObjectHeader | ObjectRejected:
         return ObjectRejected(ObjectRejectReason.BAD_MAGIC, f"Magic is {magic:#010x}")
     if version != VERSION:
         return ObjectRejected(ObjectRejectReason.BAD_VERSION, f"Version is {version}")
-    if component not in _COMPONENTS:
+    comp = _COMPONENT_OF.get(component)
+    if comp is None:
         return ObjectRejected(ObjectRejectReason.BAD_COMPONENT, f"Component is {component}")
-    return ObjectHeader(
-        component=Component(component),
-        layer=layer,
-        block_index=block_index,
-        token_start=token_start,
-        token_count=token_count,
-        codec=codec,
-        data_length=data_length,
-        data_digest=digest,
-        flags=flags,
-        reserved=reserved,
-    )
+    # Every field came out of its fixed-width slot, so the range validators cannot fail:
+    # build the frozen header without them (this runs once per received Object).
+    header = object.__new__(ObjectHeader)
+    for name, value in (
+        ("component", comp),
+        ("layer", layer),
+        ("block_index", block_index),
+        ("token_start", token_start),
+        ("token_count", token_count),
+        ("codec", codec),
+        ("data_length", data_length),
+        ("data_digest", digest),
+        ("flags", flags),
+        ("reserved", reserved),
+    ):
+        object.__setattr__(header, name, value)
+    return header
 
 
 _COMPONENTS: Final = frozenset(int(c) for c in Component)
+_COMPONENT_OF: Final[dict[int, Component]] = {int(c): c for c in Component}
 
 
 def verify_object(
