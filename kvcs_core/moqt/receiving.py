@@ -224,7 +224,7 @@ class DataReceiver:
             ObjectReceived(
                 request_id=rec.request_id,
                 delivery=Delivery.SUBSCRIPTION,
-                location=Location(d.group_id, d.object_id),
+                location=Location.trusted(d.group_id, d.object_id),
                 subgroup_id=None,
                 publisher_priority=d.publisher_priority
                 if d.publisher_priority is not None
@@ -323,7 +323,7 @@ class DataReceiver:
                 ObjectReceived(
                     request_id=rec.request_id,
                     delivery=Delivery.SUBSCRIPTION,
-                    location=Location(header.group_id, item.object_id),
+                    location=Location.trusted(header.group_id, item.object_id),
                     subgroup_id=st.subgroup_id,
                     publisher_priority=header.publisher_priority
                     if header.publisher_priority is not None
@@ -339,7 +339,7 @@ class DataReceiver:
                 ObjectReceived(
                     request_id=rec.request_id,
                     delivery=st.delivery,
-                    location=Location(item.group_id, item.object_id),
+                    location=Location.trusted(item.group_id, item.object_id),
                     subgroup_id=item.subgroup_id,
                     publisher_priority=item.publisher_priority,
                     status=ObjectStatus.NORMAL,

@@ -59,6 +59,14 @@ class Location:
     def _v_object(self, _a: Any, value: int) -> None:
         _check_vi64(value, "Object ID")
 
+    @classmethod
+    def trusted(cls, group: int, object_id: int) -> Location:
+        """Build without validation: for values a decoder already bounded (hot paths)."""
+        loc = object.__new__(cls)
+        object.__setattr__(loc, "group", group)
+        object.__setattr__(loc, "object", object_id)
+        return loc
+
     def __lt__(self, other: Location) -> bool:
         return (self.group, self.object) < (other.group, other.object)
 
