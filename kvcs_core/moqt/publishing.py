@@ -131,7 +131,8 @@ class _Sender:
     cursor: Iterator[StoredObject] | None = None
     subgroup_writer: SubgroupStreamWriter | None = None
     fetch_writer: FetchStreamWriter | None = None
-    partial: list[memoryview] = attrs.field(factory=list)
+    partial: list[bytes | memoryview] = attrs.field(factory=list)
+    """Chunks of the object being written (byte views: ``len`` is their size)."""
     fin_when_drained: bool = False
     finished: bool = False
     group_id: int = 0
@@ -427,7 +428,7 @@ class Publisher:
                 self._mark_finished(sender)  # no stream to FIN: the flow just ends
             return out
         assert sender.stream is not None
-        chunks: list[memoryview] = []
+        chunks: list[bytes | memoryview] = []
         objects = 0
         while budget > 0:
             if not sender.partial:
@@ -446,9 +447,9 @@ class Publisher:
                 sender.partial = self._encode(sender, nxt)
                 objects += 1
             head = sender.partial[0]
-            if head.nbytes <= budget:
+            if len(head) <= budget:
                 chunks.append(head)
-                budget -= head.nbytes
+                budget -= len(head)
                 sender.partial.pop(0)
             else:
                 chunks.append(head[:budget])
@@ -494,7 +495,7 @@ class Publisher:
             return obj
         return None
 
-    def _encode(self, sender: _Sender, obj: StoredObject) -> list[memoryview]:
+    def _encode(self, sender: _Sender, obj: StoredObject) -> list[bytes | memoryview]:
         if sender.subgroup_writer is not None:
             prefix = sender.subgroup_writer.object_prefix(
                 obj.location.object,
@@ -513,9 +514,9 @@ class Publisher:
                 payload_length=obj.size,
                 datagram=obj.datagram,
             )
-        chunks = [memoryview(prefix)]
+        chunks: list[bytes | memoryview] = [prefix]
         if obj.head:
-            chunks.append(memoryview(obj.head))
+            chunks.append(obj.head)
         if obj.payload.nbytes:
             chunks.append(obj.payload)
         return chunks

@@ -192,6 +192,10 @@ _FO_DATAGRAM = slot_setter(FetchObject, "datagram")
 # --- encoding --------------------------------------------------------------------
 
 
+_FLAG_ZERO_SUB: Final = encode_vi64(0)  # Serialization Flags 0: Subgroup ID 0, all "prior"
+_FLAG_SAME_SUB: Final = encode_vi64(1)  # mode 1: the prior object's Subgroup ID
+
+
 def encode_fetch_header(request_id: int) -> bytes:
     """``05`` + Request ID."""
     return b"\x05" + encode_vi64(check_vi64(request_id, "Request ID"))
@@ -268,6 +272,21 @@ class FetchStreamWriter:
         datagram: bool = False,
     ) -> bytes:
         """Everything of a fetch object before its payload."""
+        if (
+            # fast path: the next object of the same group, same priority and subgroup,
+            # no properties -- every value was checked when the previous one was written
+            type(object_id) is int
+            and object_id == self._o + 1
+            and group_id == self._g
+            and publisher_priority == self._prio
+            and datagram is False
+            and not properties
+            and subgroup_id in (0, self._sub)
+            and type(payload_length) is int
+            and 0 <= payload_length <= MAX_VI64
+        ):
+            self._o = object_id
+            return (_FLAG_SAME_SUB if subgroup_id else _FLAG_ZERO_SUB) + encode_vi64(payload_length)
         check_bool(datagram, "datagram")
         check_priority(publisher_priority)
         check_vi64(payload_length, "Object Payload Length")
