@@ -77,8 +77,11 @@ def test_exactly_once_while_producing(chunking: str) -> None:
     ]
     assert sorted(got) == sorted(expected)
     assert len(got) == len(set(got)), "an object was delivered twice"
-    fills = {(e.location.group, e.location.object) for e in pair.objects(rid)
-             if e.delivery is ev.Delivery.FILL}
+    fills = {
+        (e.location.group, e.location.object)
+        for e in pair.objects(rid)
+        if e.delivery is ev.Delivery.FILL
+    }
     assert fills == {(g, o) for g in range(3) for o in range(4)} | {(3, 0), (3, 1)}
     for e in pair.objects(rid):
         if e.status is ObjectStatus.NORMAL:
@@ -108,8 +111,7 @@ def test_fetch_groups_a_to_b(chunking: str, order: GroupOrder) -> None:
     ok = pair.events(pair.cli, ev.FetchAccepted)
     assert len(ok) == 1 and not ok[0].end_of_track
     assert ok[0].end_location == Location(5, 2)  # the group's last existing object (A2d)
-    _same_across_chunkings(f"fetch_{order.name}", chunking,
-                           normalized(pair.net.events(pair.cli)))
+    _same_across_chunkings(f"fetch_{order.name}", chunking, normalized(pair.net.events(pair.cli)))
 
 
 def test_fetch_of_nothing_is_invalid_range(chunking: str) -> None:
@@ -127,15 +129,22 @@ def test_subscriber_joins_after_production_ended(chunking: str) -> None:
     fill_store(store, range(4), 5)
     store.append(4, 0, status=ObjectStatus.END_OF_TRACK)
     rid = pair.cli.subscribe(
-        store.name, now=pair.now,
+        store.name,
+        now=pair.now,
         location_filter=p.LocationFilter.next_object(),
         fill=p.Parameters.of(p.LocationFilter.absolute_start(0, 0)),
     )
-    pair.wait(lambda: any(e.delivery is ev.Delivery.FILL
-                          for e in pair.events(pair.cli, ev.DataStreamEnded)))
+    pair.wait(
+        lambda: any(
+            e.delivery is ev.Delivery.FILL for e in pair.events(pair.cli, ev.DataStreamEnded)
+        )
+    )
     got = [(e.location.group, e.location.object, e.status) for e in pair.objects(rid)]
-    assert got == [(o.location.group, o.location.object, ObjectStatus.NORMAL)
-                   for o in store.objects_in(Location(0, 0)) if o.status is ObjectStatus.NORMAL]
+    assert got == [
+        (o.location.group, o.location.object, ObjectStatus.NORMAL)
+        for o in store.objects_in(Location(0, 0))
+        if o.status is ObjectStatus.NORMAL
+    ]
     pair.srv.end_subscription(rid, PublishDoneCode.TRACK_ENDED, now=pair.now)
     pair.wait(lambda: pair.events(pair.cli, ev.PublishDoneReceived))
     done = pair.events(pair.cli, ev.PublishDoneReceived)[0]
@@ -185,8 +194,7 @@ def test_publisher_priority_breaks_ties_within_equal_subscriber_priority() -> No
 def test_object_delivery_timeout_fires_on_the_virtual_clock() -> None:
     pair = Pair(bandwidth=50_000)
     store = pair.serve(TrackStore(track("k.raw.s1")))
-    rid = pair.cli.subscribe(store.name, now=pair.now,
-                             extra=[p.ObjectDeliveryTimeout(100)])
+    rid = pair.cli.subscribe(store.name, now=pair.now, extra=[p.ObjectDeliveryTimeout(100)])
     pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
     for o in range(40):
         store.append(0, o, payload(0, o, 1000))  # 40 kB at 50 kB/s: most will expire
@@ -239,16 +247,18 @@ def test_request_update_forward_then_fill(chunking: str) -> None:
     """Forward 0 delivers nothing; RU{FORWARD 1, FILL} opens a fill named by the RU (d21 3.4)."""
     pair = Pair(CHUNKINGS[chunking])
     store = pair.serve(TrackStore(track("k.q8.s0")))
-    rid = pair.cli.subscribe(store.name, now=pair.now, forward=False,
-                             location_filter=p.LocationFilter.next_object())
+    rid = pair.cli.subscribe(
+        store.name, now=pair.now, forward=False, location_filter=p.LocationFilter.next_object()
+    )
     pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
     fill_store(store, range(2), 3)
     pair.settle(0.2)
     assert pair.objects(rid) == []
     uid = pair.cli.request_update(
         rid,
-        p.Parameters.of(p.Forward(1), p.FillParameters(p.Parameters.of(
-            p.LocationFilter.absolute_start(0, 0)))),
+        p.Parameters.of(
+            p.Forward(1), p.FillParameters(p.Parameters.of(p.LocationFilter.absolute_start(0, 0)))
+        ),
         now=pair.now,
     )
     pair.wait(lambda: pair.events(pair.cli, ev.RequestAccepted))
@@ -257,7 +267,8 @@ def test_request_update_forward_then_fill(chunking: str) -> None:
     assert ok.update_id == uid
     objs = pair.objects(rid)
     assert [(e.location.group, e.location.object) for e in objs] == [
-        (g, o) for g in range(2) for o in range(3)]
+        (g, o) for g in range(2) for o in range(3)
+    ]
     assert {(e.delivery, e.via_request_id) for e in objs} == {(ev.Delivery.FILL, uid)}
     # and live objects now flow
     store.append(2, 0, payload(2, 0))
@@ -271,12 +282,14 @@ def test_objectid_range_filter_on_fetch(chunking: str) -> None:
     store = pair.serve(TrackStore(track("k.raw.s0")))
     fill_store(store, range(3), 6)
     rid = pair.cli.fetch(
-        store.name, now=pair.now,
+        store.name,
+        now=pair.now,
         range_filters=[p.RangeFilter(ParameterType.OBJECTID_FILTER, 0, None, ((1, 2),))],
     )
     pair.wait(lambda: pair.events(pair.cli, ev.DataStreamEnded))
     assert [(e.location.group, e.location.object) for e in pair.objects(rid)] == [
-        (g, o) for g in range(3) for o in (1, 2)]
+        (g, o) for g in range(3) for o in (1, 2)
+    ]
 
 
 def test_unknown_track_is_refused(chunking: str) -> None:
@@ -285,7 +298,10 @@ def test_unknown_track_is_refused(chunking: str) -> None:
     pair.wait(lambda: pair.events(pair.cli, ev.RequestFailed))
     failed = pair.events(pair.cli, ev.RequestFailed)[0]
     assert (failed.request_id, failed.code, failed.reason) == (
-        rid, RequestErrorCode.DOES_NOT_EXIST, "no such track")
+        rid,
+        RequestErrorCode.DOES_NOT_EXIST,
+        "no such track",
+    )
     assert not pair.cli.is_closed and not pair.srv.is_closed
 
 
@@ -315,8 +331,11 @@ def test_goaway(chunking: str) -> None:
     pair.net.poke(pair.srv)
     pair.wait(lambda: pair.events(pair.cli, ev.GoawayReceived))
     g = pair.events(pair.cli, ev.GoawayReceived)[0]
-    assert (g.new_session_uri, g.timeout_ms, g.request_id) == (b"moqt://other.example/moq", 5000,
-                                                               None)
+    assert (g.new_session_uri, g.timeout_ms, g.request_id) == (
+        b"moqt://other.example/moq",
+        5000,
+        None,
+    )
     with pytest.raises(LocalProtocolError):
         pair.cli.subscribe(track("x"), now=pair.now)
     pair.cli.close(now=pair.now)
@@ -377,8 +396,11 @@ def test_publish_forward0_then_update_with_fill(chunking: str) -> None:
     pair.cli.accept_publish(rid, now=pair.now)
     uid = pair.cli.request_update(
         rid,
-        p.Parameters.of(p.Forward(1), p.LocationFilter.next_object(),
-                        p.FillParameters(p.Parameters.of(p.LocationFilter.absolute_start(0, 0)))),
+        p.Parameters.of(
+            p.Forward(1),
+            p.LocationFilter.next_object(),
+            p.FillParameters(p.Parameters.of(p.LocationFilter.absolute_start(0, 0))),
+        ),
         now=pair.now,
     )
     pair.net.poke(pair.cli)
@@ -386,11 +408,17 @@ def test_publish_forward0_then_update_with_fill(chunking: str) -> None:
     pair.settle(0.2)
     store.append(2, 0, payload(2, 0))
     pair.settle(0.2)
-    got = [(e.location.group, e.location.object, e.delivery, e.via_request_id)
-           for e in pair.objects(rid)]
-    assert got == [(0, 0, ev.Delivery.FILL, uid), (0, 1, ev.Delivery.FILL, uid),
-                   (1, 0, ev.Delivery.FILL, uid), (1, 1, ev.Delivery.FILL, uid),
-                   (2, 0, ev.Delivery.SUBSCRIPTION, rid)]
+    got = [
+        (e.location.group, e.location.object, e.delivery, e.via_request_id)
+        for e in pair.objects(rid)
+    ]
+    assert got == [
+        (0, 0, ev.Delivery.FILL, uid),
+        (0, 1, ev.Delivery.FILL, uid),
+        (1, 0, ev.Delivery.FILL, uid),
+        (1, 1, ev.Delivery.FILL, uid),
+        (2, 0, ev.Delivery.SUBSCRIPTION, rid),
+    ]
 
 
 def test_subscribe_tracks_yields_publish_and_skipped(chunking: str) -> None:
@@ -424,7 +452,8 @@ def test_datagram_objects(chunking: str) -> None:
     pair.settle(0.2)
     got = pair.objects(rid)
     assert [(e.location.object, e.subgroup_id, bytes(e.payload)) for e in got] == [
-        (o, None, payload(0, o, 100)) for o in range(5)]
+        (o, None, payload(0, o, 100)) for o in range(5)
+    ]
 
 
 def test_subgroup_delivery_timeout_resets_a_slow_complete_subgroup() -> None:
@@ -449,3 +478,66 @@ def test_object_head_and_payload_are_sent_as_one_object(chunking: str) -> None:
     rid = pair.cli.fetch(store.name, now=pair.now)
     pair.wait(lambda: pair.events(pair.cli, ev.DataStreamEnded))
     assert [bytes(e.payload) for e in pair.objects(rid)] == [b"HEADER:tensor-bytes", b"Hx"]
+
+
+FILTER_CASES = {
+    # filter, objects expected for a subscription made when groups 0..2 exist ({2,2} largest),
+    # then groups 3..5 are produced: (subscription-delivered, of groups 3..5 x 3 objects)
+    "absent": (None, [(g, o) for g in range(3, 6) for o in range(3)]),
+    "none": (p.LocationFilter.none(), [(g, o) for g in range(3, 6) for o in range(3)]),
+    "next_object": (
+        p.LocationFilter.next_object(),
+        [(g, o) for g in range(3, 6) for o in range(3)],
+    ),
+    "relative_start_0": (
+        p.LocationFilter.relative_start(0),
+        [(g, o) for g in range(3, 6) for o in range(3)],
+    ),
+    "absolute_start_4": (
+        p.LocationFilter.absolute_start(4, 1),
+        [(4, 1), (4, 2)] + [(5, o) for o in range(3)],
+    ),
+    "absolute_group_end_3_4": (
+        p.LocationFilter.absolute_group_end(3, 0, 4),
+        [(g, o) for g in (3, 4) for o in range(3)],
+    ),
+    "absolute_range_3_4": (
+        p.LocationFilter.absolute_range(3, 1, 4, 1),
+        [(3, 1), (3, 2), (4, 0), (4, 1)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FILTER_CASES))
+def test_every_location_filter_type_on_a_subscription(chunking: str, case: str) -> None:
+    """d21 3.3.1 / wire reference 5.4: the live window of each filter type (no fill)."""
+    lf, expected = FILTER_CASES[case]
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(3), 3, end_of_group=False)
+    rid = pair.cli.subscribe(store.name, now=pair.now, location_filter=lf)
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    fill_store(store, range(3, 6), 3, end_of_group=False)
+    pair.settle(0.5)
+    got = [(e.location.group, e.location.object) for e in pair.objects(rid)]
+    assert got == expected
+    assert {e.delivery for e in pair.objects(rid)} <= {ev.Delivery.SUBSCRIPTION}
+
+
+def test_relative_start_fill_joins_at_the_current_group(chunking: str) -> None:
+    """Wire reference 6: NEXT_OBJECT + FILL{RELATIVE_START 1} = the current group, then live."""
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(3), 3, end_of_group=False)
+    rid = pair.cli.subscribe(
+        store.name,
+        now=pair.now,
+        location_filter=p.LocationFilter.next_object(),
+        fill=p.Parameters.of(p.LocationFilter.relative_start(1)),
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    store.append(3, 0, payload(3, 0))
+    pair.settle(0.5)
+    got = [(e.location.group, e.location.object, e.delivery) for e in pair.objects(rid)]
+    fill, live = ev.Delivery.FILL, ev.Delivery.SUBSCRIPTION
+    assert got == [(2, 0, fill), (2, 1, fill), (2, 2, fill), (3, 0, live)]
