@@ -65,8 +65,8 @@ from typing import Any, Final, Generic, TypeVar
 
 from kvcs_core.wire.codes import ObjectStatus
 from kvcs_core.wire.errors import CodecError, EncodeError, Incomplete
-from kvcs_core.wire.kvp import KeyValuePair, KeyValuePairs
-from kvcs_core.wire.varint import MAX_VI64, Buffer
+from kvcs_core.wire.kvp import EMPTY_KVPS, KeyValuePair, KeyValuePairs, read_kvps
+from kvcs_core.wire.varint import MAX_VI64, Buffer, read_vi64
 
 DEFAULT_MAX_PAYLOAD_SIZE: Final = 64 * 1024 * 1024
 """Local limit on one Object Payload Length (64 MiB); larger is PROTOCOL_VIOLATION."""
@@ -204,6 +204,37 @@ class ObjectStreamDecoder(Generic[T]):
     def bytes_received(self) -> int:
         """Stream bytes fed so far."""
         return self._pay_end - self._room if self._pitem is not None else self._offset
+
+    def _read_properties(self, buf: Buffer, p: int) -> tuple[KeyValuePairs, int]:
+        """``Properties Length (vi64)`` + KVPs at ``p`` (object headers of both stream
+        kinds); a length over ``max_properties_size`` is PV (a local limit)."""
+        at = p
+        plen, p = read_vi64(buf, p)
+        if plen > self.max_properties_size:
+            raise CodecError(
+                f"Properties Length {plen} exceeds the local limit"
+                f" max_properties_size={self.max_properties_size}",
+                offset=at,
+            )
+        pe = p + plen
+        if pe > len(buf):
+            raise Short(pe)
+        return (read_kvps(buf, p, pe, what="Object Properties") if plen else EMPTY_KVPS), pe
+
+    def _read_payload_length(self, buf: Buffer, p: int) -> tuple[int, int]:
+        """``Object Payload Length (vi64)`` at ``p``; over ``max_payload_size`` is PV."""
+        b = buf[p]
+        if b < 0x80:
+            length, end = b, p + 1
+        else:
+            length, end = read_vi64(buf, p)
+        if length > self.max_payload_size:
+            raise CodecError(
+                f"Object Payload Length {length} exceeds the local limit"
+                f" max_payload_size={self.max_payload_size}",
+                offset=p,
+            )
+        return length, end
 
     def feed(self, data: FeedData) -> list[T]:
         """Consume the next stream bytes; return every item completed by them.

@@ -59,7 +59,6 @@ from kvcs_core.wire._objstream import (
     DEFAULT_MAX_PROPERTIES_SIZE,
     EMPTY_VIEW,
     ObjectStreamDecoder,
-    Short,
     as_props,
     as_view,
     check_bool,
@@ -70,7 +69,7 @@ from kvcs_core.wire._objstream import (
 )
 from kvcs_core.wire.codes import EndOfRange, GroupOrder, UniStreamType
 from kvcs_core.wire.errors import CodecError, EncodeError, Incomplete
-from kvcs_core.wire.kvp import EMPTY_KVPS, KeyValuePair, KeyValuePairs, kvps_bytes, read_kvps
+from kvcs_core.wire.kvp import EMPTY_KVPS, KeyValuePair, KeyValuePairs, kvps_bytes
 from kvcs_core.wire.names import Location
 from kvcs_core.wire.varint import MAX_VI64, Buffer, encode_vi64, read_vi64
 
@@ -533,36 +532,10 @@ class FetchStreamDecoder(ObjectStreamDecoder[FetchItem]):
                         " but no object precedes it",
                         offset=pos,
                     )
-            props: KeyValuePairs
+            props: KeyValuePairs = EMPTY_KVPS
             if f & 0x20:
-                at = p
-                plen, p = read_vi64(buf, p)
-                if plen > self.max_properties_size:
-                    raise CodecError(
-                        f"Properties Length {plen} exceeds the local limit"
-                        f" max_properties_size={self.max_properties_size}",
-                        offset=at,
-                    )
-                pe = p + plen
-                if pe > len(buf):
-                    raise Short(pe)
-                props = read_kvps(buf, p, pe, what="Object Properties") if plen else EMPTY_KVPS
-                p = pe
-            else:
-                props = EMPTY_KVPS
-            at = p
-            b = buf[p]
-            if b < 0x80:
-                length = b
-                p += 1
-            else:
-                length, p = read_vi64(buf, p)
-            if length > self.max_payload_size:
-                raise CodecError(
-                    f"Object Payload Length {length} exceeds the local limit"
-                    f" max_payload_size={self.max_payload_size}",
-                    offset=at,
-                )
+                props, p = self._read_properties(buf, p)
+            length, p = self._read_payload_length(buf, p)
         except IndexError:
             raise Incomplete from None
         self._g = g

@@ -50,7 +50,6 @@ from kvcs_core.wire._objstream import (
     EMPTY_VIEW,
     STATUS_BY_VALUE,
     ObjectStreamDecoder,
-    Short,
     as_props,
     as_status,
     as_view,
@@ -62,7 +61,7 @@ from kvcs_core.wire._objstream import (
 )
 from kvcs_core.wire.codes import ObjectStatus
 from kvcs_core.wire.errors import CodecError, EncodeError, Incomplete
-from kvcs_core.wire.kvp import EMPTY_KVPS, KeyValuePair, KeyValuePairs, kvps_bytes, read_kvps
+from kvcs_core.wire.kvp import KeyValuePair, KeyValuePairs, kvps_bytes
 from kvcs_core.wire.varint import MAX_VI64, Buffer, encode_vi64, read_vi64
 
 __all__ = [
@@ -418,36 +417,11 @@ class SubgroupStreamDecoder(ObjectStreamDecoder[SubgroupItem]):
                 p = pos + 1
             else:
                 delta, p = read_vi64(buf, pos)
+            props = None
             if self._has_props:
-                at = p
-                plen, p = read_vi64(buf, p)
-                if plen > self.max_properties_size:
-                    raise CodecError(
-                        f"Properties Length {plen} exceeds the local limit"
-                        f" max_properties_size={self.max_properties_size}",
-                        offset=at,
-                    )
-                pe = p + plen
-                if pe > len(buf):
-                    raise Short(pe)
-                props = read_kvps(buf, p, pe, what="Object Properties") if plen else EMPTY_KVPS
-                p = pe
-            else:
-                props = None
-            at = p
-            b = buf[p]
-            if b < 0x80:
-                length = b
-                p += 1
-            else:
-                length, p = read_vi64(buf, p)
+                props, p = self._read_properties(buf, p)
+            length, p = self._read_payload_length(buf, p)
             if length:
-                if length > self.max_payload_size:
-                    raise CodecError(
-                        f"Object Payload Length {length} exceeds the local limit"
-                        f" max_payload_size={self.max_payload_size}",
-                        offset=at,
-                    )
                 status = _NORMAL
             else:
                 at = p
