@@ -21,6 +21,7 @@ from kvcs_core.moqt.core import SessionCore
 from kvcs_core.moqt.errors import PeerViolation
 from kvcs_core.moqt.requests import MESSAGE_OF_KIND, REQUEST_KIND_OF, RequestRecord, RequestState
 from kvcs_core.moqt.transport_io import StreamData, StreamRef
+from kvcs_core.moqt.windows import request_ranges
 from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import GroupOrder, MessageType, RequestErrorCode, SessionErrorCode
@@ -174,12 +175,11 @@ class PeerRequests(SessionCore):
         reason = invalid_filter_reason(list(params))
         if reason is not None:
             return reason
-        ranges = sum(len(f.ranges) for f in params if isinstance(f, p.RangeFilter))
         for fp in params.all(p.FillParameters):
             inner = invalid_filter_reason(list(fp.params))
             if inner is not None:
                 return inner
-            ranges += sum(len(f.ranges) for f in fp.params if isinstance(f, p.RangeFilter))
+        ranges = request_ranges(params)
         if ranges > self.config.max_filter_ranges:
             return f"{ranges} ranges exceed MAX_FILTER_RANGES {self.config.max_filter_ranges}"
         has_filter = any(isinstance(f, p.RangeFilter) for f in params)

@@ -65,6 +65,7 @@ from kvcs_core.moqt.transport_io import (
     TransportEvent,
     WriteStream,
 )
+from kvcs_core.moqt.windows import request_ranges
 from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import (
@@ -625,12 +626,7 @@ class MoqtSession(PeerRequests, OwnRequests):
             raise LocalProtocolError("call start() first")
 
     def _check_range_filter_budget(self, params: p.Parameters) -> None:
-        ranges = sum(len(f.ranges) for f in params if isinstance(f, p.RangeFilter)) + sum(
-            len(f.ranges)
-            for fp in params.all(p.FillParameters)
-            for f in fp.params
-            if isinstance(f, p.RangeFilter)
-        )
+        ranges = request_ranges(params)
         if ranges and self.setup_complete and ranges > self.peer_max_filter_ranges:
             raise LocalProtocolError(
                 f"{ranges} filter ranges exceed the peer's MAX_FILTER_RANGES "

@@ -65,6 +65,7 @@ from kvcs_core.wire.filters import (
 )
 from kvcs_core.wire.kvp import KeyValuePairs, read_kvps
 from kvcs_core.wire.names import Location
+from kvcs_core.wire.params import FillParameters, Parameters
 
 __all__ = [
     "EMPTY_RANGE_FILTERS",
@@ -442,3 +443,12 @@ def passes(
         and window.contains(obj.location)
         and (range_filters is None or range_filters.matches(obj))
     )
+
+
+def request_ranges(params: Parameters) -> int:
+    """Ranges of every range filter of a request, FILL_PARAMETERS included: what
+    MAX_FILTER_RANGES bounds for one subscription or fetch (d21 section 9.1)."""
+    ranges = sum(len(f.ranges) for f in params if isinstance(f, RangeFilter))
+    for fill in params.all(FillParameters):
+        ranges += sum(len(f.ranges) for f in fill.params if isinstance(f, RangeFilter))
+    return ranges
