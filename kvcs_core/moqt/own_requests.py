@@ -99,15 +99,15 @@ class OwnRequests(SessionCore):
         subscription = rec.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH)
         if subscription and isinstance(msg, m.PublishDone):
             rec.state = RequestState.DONE
-            self._out.emit(
-                ev.PublishDoneReceived(
-                    request_id=rec.request_id,
-                    status=int(msg.status_code),
-                    stream_count=msg.stream_count,
-                    reason=msg.reason.decode("utf-8", "replace"),
-                )
+            done = ev.PublishDoneReceived(
+                request_id=rec.request_id,
+                status=int(msg.status_code),
+                stream_count=msg.stream_count,
+                reason=msg.reason.decode("utf-8", "replace"),
             )
-            self.receiver.publish_done(rec, msg.stream_count, self._last_now)
+            # emitted by the receiver once the counted streams have ended (or the grace
+            # passed), so that nothing of the subscription arrives after the event
+            self.receiver.publish_done(rec, done, self._last_now)
             return True
         if subscription and isinstance(msg, m.PublishStateNotify):
             largest = msg.params.get(p.LargestObject)

@@ -186,6 +186,11 @@ class Publisher:
         self._seq = 0
         self.now = 0.0
 
+    @property
+    def queued_bytes(self) -> int:
+        """Object bytes offered to live subscriptions and not yet handed to the transport."""
+        return sum(s.queued_bytes for s in self._served.values())
+
     # -- answering requests ------------------------------------------------------------
 
     def accept_subscribe(

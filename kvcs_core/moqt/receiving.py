@@ -33,6 +33,7 @@ from kvcs_core.moqt.events import (
     DataStreamEnded,
     Delivery,
     ObjectReceived,
+    PublishDoneReceived,
     RangeMarkerReceived,
     RequestKind,
 )
@@ -96,6 +97,8 @@ class DataReceiver:
         self._waiting_alias: dict[int, list[StreamRef]] = {}
         self._seen: dict[int, int] = {}
         """Data streams bound to each subscription (subgroup and fill streams)."""
+        self._done_events: dict[int, PublishDoneReceived] = {}
+        """PUBLISH_DONE events held until their subscription has drained."""
         self._draining: dict[int, tuple[int | None, float]] = {}
         """Subscriptions whose PUBLISH_DONE arrived while streams may still be in flight:
         Request ID -> (Stream Count, or None if unknown; give-up time) (d21 9.9)."""
@@ -135,11 +138,15 @@ class DataReceiver:
     def fetch_accepted(self, rec: RequestRecord) -> None:
         """Nothing to do: fetch streams are bound by Request ID as they arrive."""
 
-    def publish_done(self, rec: RequestRecord, stream_count: int, now: float) -> None:
+    def publish_done(self, rec: RequestRecord, done: PublishDoneReceived, now: float) -> None:
         """PUBLISH_DONE: keep receiving until Stream Count streams were seen and ended, or
-        ``publish_done_grace`` passes (d21 9.9, wire reference 4.5); then forget it."""
-        expected = None if stream_count == (1 << 64) - 1 else stream_count
+        ``publish_done_grace`` passes (d21 9.9, wire reference 4.5); then emit ``done`` and
+        forget the subscription. Over QUIC the control message can overtake data streams:
+        the event comes after the last object the subscription delivers."""
+        count = done.stream_count
+        expected = None if count == (1 << 64) - 1 else count
         self._draining[rec.request_id] = (expected, now + self._config.publish_done_grace)
+        self._done_events[rec.request_id] = done
         self._check_drained(rec)
 
     def _check_drained(self, rec: RequestRecord) -> None:
@@ -152,6 +159,9 @@ class DataReceiver:
 
     def _stop_draining(self, rec: RequestRecord) -> None:
         del self._draining[rec.request_id]
+        done = self._done_events.pop(rec.request_id, None)
+        if done is not None:
+            self._out.emit(done)
         self._seen.pop(rec.request_id, None)
         self.request_finished(rec)
 
@@ -165,6 +175,7 @@ class DataReceiver:
                 self._stop_draining(rec)
             elif rec is None:
                 del self._draining[rid]
+                self._done_events.pop(rid, None)
 
     def _live(self, rec: RequestRecord) -> bool:
         return not rec.finished or rec.request_id in self._draining

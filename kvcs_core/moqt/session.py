@@ -141,6 +141,15 @@ class MoqtSession(PeerRequests, OwnRequests):
         return self._closed
 
     @property
+    def queued_bytes(self) -> int:
+        """Object bytes queued for our live subscriptions, not yet pulled by the transport.
+
+        A producer that outruns its link watches this to pace itself before the
+        queue limit (``max_queued_bytes_per_subscription``) ends a subscriber.
+        """
+        return self.publisher.queued_bytes
+
+    @property
     def setup_complete(self) -> bool:
         return self._ready
 

@@ -1,0 +1,75 @@
+"""Building endpoints for relays and clients: shared by the asyncio and trio bindings."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from kvcs_core.moqt.config import Role, SessionConfig
+from kvcs_core.relay.config import RelayConfig
+from kvcs_core.relay.relay import Relay
+
+from .apps import ClientApp, RelayApp
+from .config import MoqtUrl, parse_url, quic_configuration
+from .endpoint import QuicEndpoint
+from .stack import load_stack
+from .tls import TlsConfig
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def client_session_config(url: MoqtUrl) -> SessionConfig:
+    """A client session naming the server's authority and path (wire reference section 1)."""
+    return SessionConfig(
+        role=Role.CLIENT,
+        authority=url.authority.encode(),
+        path=url.path.encode() if url.path else None,
+    )
+
+
+def relay_endpoint(
+    *,
+    tls: TlsConfig,
+    stack: str,
+    relay_config: RelayConfig | None,
+    max_datagram_size: int | None,
+    max_connections: int,
+) -> QuicEndpoint:
+    st = load_stack(stack)
+    cfg = quic_configuration(st, is_client=False, tls=tls, max_datagram_size=max_datagram_size)
+    return QuicEndpoint(st, cfg, RelayApp(Relay(relay_config)), max_connections=max_connections)
+
+
+def client_endpoint(*, stack: str, app: ClientApp | None = None) -> QuicEndpoint:
+    st = load_stack(stack)
+    cfg = quic_configuration(st, is_client=True, tls=TlsConfig(verify=False))
+    return QuicEndpoint(st, cfg, app or ClientApp())
+
+
+def client_configuration(
+    endpoint: QuicEndpoint, url: MoqtUrl, tls: TlsConfig | None, max_datagram_size: int | None
+) -> Any:
+    return quic_configuration(
+        endpoint.stack,
+        is_client=True,
+        tls=tls or TlsConfig(),
+        server_name=url.host,
+        max_datagram_size=max_datagram_size,
+    )
+
+
+__all__ = [
+    "client_configuration",
+    "client_endpoint",
+    "client_session_config",
+    "is_loopback",
+    "parse_url",
+    "relay_endpoint",
+]

@@ -1,0 +1,240 @@
+"""kvcs over QUIC on asyncio: relay servers and clients (aioquic or qh3).
+
+Theory of operation
+-------------------
+:class:`AsyncioDriver` runs one :class:`~.endpoint.QuicEndpoint` on one
+non-blocking UDP socket inside the running asyncio loop: a reader callback
+(``loop.add_reader``) drains the socket into the endpoint, one ``call_at``
+handle tracks :meth:`~.endpoint.QuicEndpoint.get_timer`, and
+:meth:`AsyncioDriver.wake` schedules one :meth:`~.endpoint.QuicEndpoint.service`
+per loop iteration however many inputs arrived. After each service every
+``wait_for`` re-checks its predicate. That is the whole binding: the protocol
+lives in the core, the wiring in :mod:`.endpoint` and :mod:`.apps`, the
+user-facing API in :mod:`.api`.
+
+Entry points: ``serve_relay(...)`` and ``connect(url, ...)``, both async
+context managers (see the README for examples). The clock is ``loop.time()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvcs_core.relay.config import RelayConfig
+
+from ._setup import (
+    client_configuration,
+    client_endpoint,
+    client_session_config,
+    is_loopback,
+    parse_url,
+    relay_endpoint,
+)
+from .api import ConnectError, MoqtClient, RelayServer
+from .apps import ClientApp
+from .config import parse_hostport
+from .endpoint import QuicEndpoint
+from .tls import TlsConfig
+from .udp import UdpSocket
+
+log = logging.getLogger("kvcs.quic")
+
+__all__ = [
+    "AsyncioDriver",
+    "ConnectError",
+    "MoqtClient",
+    "RelayServer",
+    "connect",
+    "open_endpoint",
+    "serve_relay",
+]
+
+
+class AsyncioDriver:
+    """Drives one endpoint on one UDP socket in the running asyncio loop."""
+
+    def __init__(self, endpoint: QuicEndpoint, udp: UdpSocket) -> None:
+        self.endpoint = endpoint
+        self.udp = udp
+        self._loop = asyncio.get_running_loop()
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._changed = asyncio.Event()
+        self._writing = False
+        self._closed = False
+        self._loop.add_reader(udp.fileno(), self._on_readable)
+
+    def now(self) -> float:
+        return self._loop.time()
+
+    def wake(self) -> None:
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self._loop.call_soon(self._service)
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> None:
+        deadline = None if timeout is None else self.now() + timeout
+        while not predicate():
+            if self._closed:
+                raise ConnectError("the endpoint is closed")
+            remaining = None if deadline is None else deadline - self.now()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    async def aclose(self, timeout: float = 1.0) -> None:
+        """Close every connection, wait briefly for them to end, release the socket."""
+        if self._closed:
+            return
+        self.endpoint.close(self.now())
+        self.wake()
+        with contextlib.suppress(TimeoutError, ConnectError):
+            await self.wait_for(lambda: self.endpoint.idle, timeout)
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._loop.remove_reader(self.udp.fileno())
+        if self._writing:
+            self._loop.remove_writer(self.udp.fileno())
+        self.udp.close()
+        self._changed.set()
+
+    # --- callbacks -------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        now = self.now()
+        for data, addr in self.udp.recv_batch():
+            self.endpoint.receive_datagram(data, addr, now)
+        self.wake()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.endpoint.handle_timer(self.now())
+        self._service()
+
+    def _on_writable(self) -> None:
+        if not self.udp.send_batch([]):
+            self._loop.remove_writer(self.udp.fileno())
+            self._writing = False
+
+    def _service(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        out = self.endpoint.service(self.now())
+        if self.udp.send_batch(out) and not self._writing:
+            self._writing = True
+            self._loop.add_writer(self.udp.fileno(), self._on_writable)
+        deadline = self.endpoint.get_timer()
+        if deadline != self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = (
+                None
+                if deadline is None
+                else self._loop.call_at(max(deadline, self.now()), self._on_timer)
+            )
+            self._timer_at = deadline
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+
+@contextlib.asynccontextmanager
+async def open_endpoint(
+    endpoint: QuicEndpoint, host: str, port: int
+) -> AsyncIterator[AsyncioDriver]:
+    """Bind ``host:port`` and drive ``endpoint`` there until the block ends."""
+    udp = UdpSocket(host, port)
+    driver = AsyncioDriver(endpoint, udp)
+    try:
+        yield driver
+    finally:
+        await driver.aclose()
+
+
+@contextlib.asynccontextmanager
+async def serve_relay(
+    listen: str = "127.0.0.1:4443",
+    *,
+    tls: TlsConfig,
+    stack: str = "aioquic",
+    relay_config: RelayConfig | None = None,
+    upstream: str | None = None,
+    upstream_tls: TlsConfig | None = None,
+    max_datagram_size: int | None = None,
+    max_connections: int = 256,
+    timeout: float = 10.0,
+) -> AsyncIterator[RelayServer]:
+    """A caching relay on ``listen`` (``host:port``); ``upstream``: a parent relay's URL."""
+    host, port = parse_hostport(listen)
+    endpoint = relay_endpoint(
+        tls=tls,
+        stack=stack,
+        relay_config=relay_config,
+        max_datagram_size=max_datagram_size,
+        max_connections=max_connections,
+    )
+    async with open_endpoint(endpoint, host, port) as driver:
+        parent = None
+        if upstream is not None:
+            url = parse_url(upstream)
+            addr = await _resolve(url.host, url.port)
+            pump = endpoint.connect(
+                addr,
+                driver.now(),
+                configuration=client_configuration(endpoint, url, upstream_tls, max_datagram_size),
+                session_config=client_session_config(url),
+            )
+            parent = MoqtClient(driver, pump, ClientApp(), upstream)
+            driver.wake()
+            await parent.wait_ready(timeout)
+        yield RelayServer(driver, driver.udp.address, parent)
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    url: str,
+    *,
+    tls: TlsConfig | None = None,
+    stack: str = "aioquic",
+    timeout: float = 10.0,
+    max_datagram_size: int | None = None,
+) -> AsyncIterator[MoqtClient]:
+    """A MOQT session with the server at ``moqt://host:port[/path]``."""
+    target = parse_url(url)
+    addr = await _resolve(target.host, target.port)
+    app = ClientApp()
+    endpoint = client_endpoint(stack=stack, app=app)
+    bind = "127.0.0.1" if is_loopback(addr[0]) else ("::" if ":" in addr[0] else "0.0.0.0")
+    async with open_endpoint(endpoint, bind, 0) as driver:
+        pump = endpoint.connect(
+            addr,
+            driver.now(),
+            configuration=client_configuration(endpoint, target, tls, max_datagram_size),
+            session_config=client_session_config(target),
+        )
+        client = MoqtClient(driver, pump, app, url)
+        driver.wake()
+        await client.wait_ready(timeout)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+async def _resolve(host: str, port: int) -> Any:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=2)  # SOCK_DGRAM
+    except OSError as exc:
+        raise ConnectError(f"cannot resolve {host}: {exc}") from None
+    addr = infos[0][4]
+    return (addr[0], addr[1])

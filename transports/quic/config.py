@@ -1,0 +1,103 @@
+"""QUIC settings for MOQT endpoints, and ``moqt://`` URLs.
+
+``quic_configuration`` builds the stack's ``QuicConfiguration`` the same way
+for every kvcs endpoint: ALPN ``moqt-22``, DATAGRAM frames on (MOQT object
+datagrams), flow-control windows large enough for multi-megabyte layers in
+flight, and TLS from a :class:`~.tls.TlsConfig`. :func:`parse_url` splits a
+``moqt://authority/path?query`` URL (wire reference section 1: native QUIC
+sends the authority in AUTHORITY and ``path-abempty`` plus query in PATH;
+default port 443).
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+
+from .stack import ALPN, QuicStack
+from .tls import TlsConfig, TlsError
+
+DEFAULT_PORT = 443
+MAX_DATA = 64 * 1024 * 1024
+MAX_STREAM_DATA = 16 * 1024 * 1024
+MAX_DATAGRAM_FRAME = 65536
+
+
+class UrlError(ValueError):
+    """A URL that is not ``moqt://host[:port][/path]``."""
+
+
+@attrs.frozen
+class MoqtUrl:
+    host: str
+    port: int
+    path: str
+    """``path-abempty`` plus ``?query`` (empty for the root)."""
+
+    @property
+    def authority(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_url(url: str) -> MoqtUrl:
+    """Parse ``moqt://host[:port][/path][?query]``; raise :class:`UrlError` otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme != "moqt":
+        raise UrlError(f"not a moqt:// URL: {url!r}")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError as exc:
+        raise UrlError(f"bad port in {url!r}") from exc
+    if not parts.hostname:
+        raise UrlError(f"no host in {url!r}")
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    return MoqtUrl(parts.hostname, port, path)
+
+
+def parse_hostport(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as a pair; raise :class:`UrlError` when malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UrlError(f"not host:port: {text!r}")
+    return host, int(port)
+
+
+def quic_configuration(
+    stack: QuicStack,
+    *,
+    is_client: bool,
+    tls: TlsConfig | None = None,
+    server_name: str | None = None,
+    max_datagram_size: int | None = None,
+    idle_timeout: float = 30.0,
+) -> Any:
+    """A ``QuicConfiguration`` of ``stack`` for a kvcs client or server."""
+    cfg = stack.configuration(is_client=is_client, alpn_protocols=[ALPN])
+    cfg.max_datagram_frame_size = MAX_DATAGRAM_FRAME
+    cfg.max_data = MAX_DATA
+    cfg.max_stream_data = MAX_STREAM_DATA
+    cfg.idle_timeout = idle_timeout
+    if max_datagram_size is not None:
+        cfg.max_datagram_size = max_datagram_size
+    tls = tls or TlsConfig()
+    tls.check()
+    if is_client:
+        cfg.server_name = server_name
+        if not tls.verify:
+            cfg.verify_mode = ssl.CERT_NONE
+        elif tls.cafile is not None:
+            cfg.load_verify_locations(cafile=tls.cafile)
+    else:
+        if tls.certfile is None:
+            raise TlsError("a server needs a certificate (or a self-signed one)")
+        try:
+            cfg.load_cert_chain(tls.certfile, tls.keyfile)
+        except (ValueError, OSError) as exc:
+            raise TlsError(f"cannot load certificate/key: {exc}") from exc
+    return cfg

@@ -1,0 +1,334 @@
+"""``SessionPump``: one QUIC connection carrying one MoqtSession (sans-I/O glue).
+
+Theory of operation
+-------------------
+MOQT over native QUIC (wire reference section 1, d21 section 6.1) needs streams
+of both kinds, resets, STOP_SENDING, datagrams and an application close. The
+pump translates between a QUIC stack's ``QuicConnection`` (aioquic's sans-I/O
+API, which qh3 shares; see :mod:`.stack`) and the core's own transport
+vocabulary (:mod:`kvcs_core.moqt.transport_io`); it holds no protocol policy
+and performs no I/O: datagrams, timers and ``now`` are passed in, datagrams
+come out.
+
+* **Streams.** A session names the streams it opens; the pump gives each the
+  next QUIC stream ID of its kind and creates it at once (an empty write), so
+  two opens in a row get different IDs. Streams the peer opens get a
+  ``StreamRef(local=False, n)`` from the pump's counter, announced with
+  ``StreamOpened`` before their first bytes, reset or STOP_SENDING.
+* **Sending.** Control writes (``next_command``) are handed to QUIC at once.
+  Object data is *pulled* (``poll_data``) only while fewer than
+  ``max_unsent`` written bytes wait for their first transmission, so QUIC flow
+  and congestion control push back on the core instead of the stack's buffers
+  growing without bound (ARCHITECTURE.md "Data path and memory").
+  Chunks go to ``send_stream_data`` one by one (the stack copies them once
+  into its send buffer; nothing is joined here).
+* **Events.** Session events are queued for the owner (the endpoint), which
+  hands them to the application (relay, publisher, consumer) and then calls
+  :meth:`SessionPump.flush` so that whatever the application commanded goes
+  out.
+* **Lifetime.** The session starts (sends SETUP) when the handshake completes
+  with ALPN ``moqt-22``; any other ALPN closes the connection. A QUIC
+  connection termination reaches the session as ``TransportClosed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from kvcs_core.moqt.events import SessionClosed, SessionEvent
+from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.moqt.transport_io import (
+    AbortKind,
+    AbortStream,
+    CloseTransport,
+    DatagramReceived,
+    OpenStream,
+    SendDatagram,
+    StreamAborted,
+    StreamData,
+    StreamOpened,
+    StreamRef,
+    TransportClosed,
+    TransportCommand,
+    TransportEvent,
+    WriteStream,
+)
+
+from .stack import ALPN, QuicStack
+
+log = logging.getLogger("kvcs.quic")
+
+DEFAULT_MAX_UNSENT = 1 << 20
+"""Bytes of object data a connection may hold unsent in its QUIC stack (1 MiB)."""
+
+ALPN_MISMATCH = 0x178
+"""QUIC CRYPTO_ERROR(no_application_protocol): the peer did not agree on ``moqt-22``."""
+
+
+class SessionPump:
+    """Binds one ``QuicConnection`` of any aioquic-compatible stack to one ``MoqtSession``."""
+
+    def __init__(
+        self,
+        stack: QuicStack,
+        quic: Any,
+        session: MoqtSession,
+        *,
+        max_unsent: int = DEFAULT_MAX_UNSENT,
+        label: str = "",
+    ) -> None:
+        self.stack = stack
+        self.quic = quic
+        self.session = session
+        self.label = label
+        self.max_unsent = max_unsent
+        self.events: deque[SessionEvent] = deque()
+        self.handshake_complete = False
+        self.terminated = False
+        self.alpn: str | None = None
+        self.bytes_pulled = 0
+        self._is_client = bool(quic.configuration.is_client)
+        self._sid_of: dict[StreamRef, int] = {}
+        self._ref_of: dict[int, StreamRef] = {}
+        self._next_peer_ref = 0
+        self._send_done: set[int] = set()
+        self._unsent_streams: set[int] = set()
+        self._closing = False
+        self.close_reason: str | None = None
+        """Why the session or connection ended, in one line (``None`` while open)."""
+        self.cid_changes: list[tuple[bool, bytes]] = []
+        """Connection IDs the stack issued (True) or retired (False), for the endpoint's demux."""
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+        self.quic.receive_datagram(data, addr, now)
+        self._process_quic_events(now)
+
+    def handle_timer(self, now: float) -> None:
+        quic_timer = self.quic.get_timer()
+        if quic_timer is not None and quic_timer <= now:
+            self.quic.handle_timer(now)
+            self._process_quic_events(now)
+        if self.handshake_complete and not self.terminated:
+            deadline = self.session.get_timer()
+            if deadline is not None and deadline <= now:
+                self.session.handle_timer(now)
+                self._drain_session()
+
+    def get_timer(self) -> float | None:
+        timers = [self.quic.get_timer()]
+        if self.handshake_complete and not self.terminated:
+            timers.append(self.session.get_timer())
+        present = [t for t in timers if t is not None]
+        return min(present) if present else None
+
+    # --- outputs -------------------------------------------------------------------------
+
+    def flush(self, now: float) -> int:
+        """Apply the session's commands and pull object data while QUIC has room."""
+        self._drain_session()
+        if self.terminated or not self.handshake_complete:
+            return 0
+        budget = self.max_unsent - self.unsent_bytes()
+        pulled = 0
+        while budget > 0:
+            item = self.session.poll_data(budget)
+            if item is None:
+                break
+            n = self._apply(item)
+            pulled += n
+            budget -= max(n, 1)
+        self._drain_session()
+        self.bytes_pulled += pulled
+        return pulled
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
+        out: list[tuple[bytes, Any]] = self.quic.datagrams_to_send(now)
+        return out
+
+    def unsent_bytes(self) -> int:
+        """Object and control bytes handed to QUIC that it has not sent once yet."""
+        total = 0
+        for sid in list(self._unsent_streams):
+            n = self.stack.unsent_bytes(self.quic, sid)
+            if n:
+                total += n
+            else:
+                self._unsent_streams.discard(sid)
+        return total
+
+    # --- local commands ------------------------------------------------------------------
+
+    def close(self, code: int, reason: str, now: float) -> None:
+        """Close the MOQT session (which closes the connection with ``code``)."""
+        if self.terminated:
+            return
+        if self.handshake_complete and not self.session.is_closed:
+            self.session.close(code, reason, now=now)
+            self._drain_session()
+        else:
+            self._close_quic(code, reason)
+
+    # --- QUIC -> session -------------------------------------------------------------------
+
+    def _process_quic_events(self, now: float) -> None:
+        ev = self.stack.events
+        while (qe := self.quic.next_event()) is not None:
+            if isinstance(qe, ev.StreamDataReceived):
+                ref = self._peer_ref(qe.stream_id, now)
+                if ref is not None:
+                    self._feed(StreamData(stream=ref, data=qe.data, fin=qe.end_stream), now)
+            elif isinstance(qe, ev.StreamReset):
+                ref = self._peer_ref(qe.stream_id, now)
+                if ref is not None:
+                    self._feed(
+                        StreamAborted(stream=ref, kind=AbortKind.RESET, code=qe.error_code), now
+                    )
+            elif isinstance(qe, ev.StopSendingReceived):
+                # the stack has already answered with RESET_STREAM (aioquic and qh3 do):
+                # later writes of the session to this stream are dropped here
+                self._send_done.add(qe.stream_id)
+                self._unsent_streams.discard(qe.stream_id)
+                ref = self._ref_of.get(qe.stream_id)
+                if ref is not None:
+                    self._feed(
+                        StreamAborted(stream=ref, kind=AbortKind.STOP_SENDING, code=qe.error_code),
+                        now,
+                    )
+            elif isinstance(qe, ev.DatagramFrameReceived):
+                self._feed(DatagramReceived(data=qe.data), now)
+            elif isinstance(qe, ev.HandshakeCompleted):
+                self._on_handshake(qe, now)
+            elif isinstance(qe, ev.ConnectionTerminated):
+                self._on_terminated(qe, now)
+            elif isinstance(qe, ev.ConnectionIdIssued):
+                self.cid_changes.append((True, qe.connection_id))
+            elif isinstance(qe, ev.ConnectionIdRetired):
+                self.cid_changes.append((False, qe.connection_id))
+
+    def _on_handshake(self, qe: Any, now: float) -> None:
+        self.alpn = qe.alpn_protocol
+        if qe.alpn_protocol != ALPN:
+            log.warning(
+                "%s: peer negotiated ALPN %r, not %s; closing", self.label, qe.alpn_protocol, ALPN
+            )
+            self._close_quic(ALPN_MISMATCH, f"ALPN {ALPN} required", transport=True)
+            return
+        self.handshake_complete = True
+        self.session.start(now=now)
+        self._drain_session()
+
+    def _on_terminated(self, qe: Any, now: float) -> None:
+        if self.terminated:
+            return
+        self.terminated = True
+        if self.close_reason is None:
+            self.close_reason = (
+                f"{qe.reason_phrase or 'connection closed'} (code {qe.error_code:#x})"
+            )
+        if self.handshake_complete:
+            self.session.handle_transport_event(
+                TransportClosed(
+                    code=qe.error_code, reason=qe.reason_phrase or "", by_peer=not self._closing
+                ),
+                now,
+            )
+            self._drain_session()
+
+    def _peer_ref(self, sid: int, now: float) -> StreamRef | None:
+        ref = self._ref_of.get(sid)
+        if ref is not None:
+            return ref
+        peer_initiated = bool(sid & 1) == self._is_client
+        if not peer_initiated or not self.handshake_complete:
+            return None
+        ref = StreamRef(False, self._next_peer_ref)
+        self._next_peer_ref += 1
+        self._ref_of[sid] = ref
+        self._sid_of[ref] = sid
+        self._feed(StreamOpened(stream=ref, uni=bool(sid & 2)), now)
+        return ref
+
+    def _feed(self, event: TransportEvent, now: float) -> None:
+        if self.terminated and not isinstance(event, TransportClosed):
+            return
+        self.session.handle_transport_event(event, now)
+        self._drain_session()
+
+    # --- session -> QUIC -------------------------------------------------------------------
+
+    def _drain_session(self) -> None:
+        session = self.session
+        while (cmd := session.next_command()) is not None:
+            self._apply(cmd)
+        while (e := session.next_event()) is not None:
+            if isinstance(e, SessionClosed) and self.close_reason is None:
+                self.close_reason = f"{e.reason or 'closed'} (MOQT code {e.code:#x})"
+            self.events.append(e)
+
+    def _apply(self, cmd: TransportCommand) -> int:
+        if self.terminated:
+            return 0
+        if isinstance(cmd, WriteStream):
+            return self._write(cmd)
+        if isinstance(cmd, OpenStream):
+            sid = self.quic.get_next_available_stream_id(cmd.uni)
+            self._sid_of[cmd.stream] = sid
+            self._ref_of[sid] = cmd.stream
+            self.quic.send_stream_data(sid, b"", False)
+        elif isinstance(cmd, SendDatagram):
+            data = b"".join(cmd.chunks)
+            self.quic.send_datagram_frame(data)
+            return len(data)
+        elif isinstance(cmd, AbortStream):
+            self._abort(cmd)
+        elif isinstance(cmd, CloseTransport):
+            self._close_quic(cmd.code, cmd.reason)
+        return 0
+
+    def _write(self, cmd: WriteStream) -> int:
+        sid = self._sid_of.get(cmd.stream)
+        if sid is None or sid in self._send_done:
+            log.debug("%s: write to closed or unknown stream %r ignored", self.label, cmd.stream)
+            return 0
+        n = 0
+        last = len(cmd.chunks) - 1
+        try:
+            for i, chunk in enumerate(cmd.chunks):
+                n += len(chunk)
+                self.quic.send_stream_data(sid, chunk, cmd.fin and i == last)
+            if cmd.fin and not cmd.chunks:
+                self.quic.send_stream_data(sid, b"", True)
+        except (AssertionError, ValueError) as exc:  # the stack closed the stream itself
+            log.debug("%s: stream %d refused a write: %s", self.label, sid, exc)
+            self._send_done.add(sid)
+            return n
+        if cmd.fin:
+            self._send_done.add(sid)
+        if n:
+            self._unsent_streams.add(sid)
+        return n
+
+    def _abort(self, cmd: AbortStream) -> None:
+        sid = self._sid_of.get(cmd.stream)
+        if sid is None:
+            return
+        if cmd.kind is AbortKind.RESET:
+            if sid not in self._send_done:
+                self._send_done.add(sid)
+                self._unsent_streams.discard(sid)
+                self.quic.reset_stream(sid, cmd.code)
+        else:
+            self.quic.stop_stream(sid, cmd.code)
+
+    def _close_quic(self, code: int, reason: str, *, transport: bool = False) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if transport:
+            self.quic.close(error_code=code, frame_type=0, reason_phrase=reason)
+        else:
+            self.quic.close(error_code=code, reason_phrase=reason)

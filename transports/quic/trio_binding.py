@@ -1,0 +1,231 @@
+"""kvcs over QUIC on trio: relay servers and clients (aioquic or qh3).
+
+Theory of operation
+-------------------
+The same sans-I/O endpoint as the asyncio binding (:mod:`.endpoint`), driven by
+two trio tasks in a nursery: a *reader* that waits until the UDP socket is
+readable (``trio.lowlevel.wait_readable``), drains it into the endpoint and
+services it; and a *ticker* that sleeps until :meth:`~.endpoint.QuicEndpoint.get_timer`
+or until :meth:`TrioDriver.wake` is called (after the application commanded
+something), then fires timers and services. A send that would block waits
+for writability in the reader loop's stead (``wait_writable``). After each
+service every ``wait_for`` re-checks its predicate. The clock is
+``trio.current_time()``.
+
+Entry points mirror :mod:`.asyncio_binding`: ``serve_relay(...)`` and
+``connect(url, ...)``, async context managers returning the objects of
+:mod:`.api`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import trio
+
+from kvcs_core.relay.config import RelayConfig
+
+from ._setup import (
+    client_configuration,
+    client_endpoint,
+    client_session_config,
+    is_loopback,
+    parse_url,
+    relay_endpoint,
+)
+from .api import ConnectError, MoqtClient, RelayServer
+from .apps import ClientApp
+from .config import parse_hostport
+from .endpoint import QuicEndpoint
+from .tls import TlsConfig
+from .udp import UdpSocket
+
+log = logging.getLogger("kvcs.quic")
+
+__all__ = [
+    "ConnectError",
+    "MoqtClient",
+    "RelayServer",
+    "TrioDriver",
+    "connect",
+    "open_endpoint",
+    "serve_relay",
+]
+
+
+class TrioDriver:
+    """Drives one endpoint on one UDP socket inside a trio nursery."""
+
+    def __init__(self, endpoint: QuicEndpoint, udp: UdpSocket) -> None:
+        self.endpoint = endpoint
+        self.udp = udp
+        self._wakeup = trio.Event()
+        self._changed = trio.Event()
+        self._closed = False
+
+    def now(self) -> float:
+        now: float = trio.current_time()
+        return now
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> None:
+        deadline = math.inf if timeout is None else self.now() + timeout
+        while not predicate():
+            if self._closed:
+                raise ConnectError("the endpoint is closed")
+            if self.now() >= deadline:
+                raise TimeoutError
+            changed = self._changed
+            with trio.move_on_at(deadline):
+                await changed.wait()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._reader)
+            nursery.start_soon(self._ticker)
+            task_status.started()
+
+    async def aclose(self, timeout: float = 1.0) -> None:
+        if self._closed:
+            return
+        self.endpoint.close(self.now())
+        self.wake()
+        with contextlib.suppress(TimeoutError, ConnectError):
+            await self.wait_for(lambda: self.endpoint.idle, timeout)
+        self._closed = True
+        self._changed.set()
+
+    # --- tasks ---------------------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        while not self._closed:
+            await trio.lowlevel.wait_readable(self.udp.sock)
+            now = self.now()
+            for data, addr in self.udp.recv_batch():
+                self.endpoint.receive_datagram(data, addr, now)
+            await self._service(poke_ticker=True)
+
+    async def _ticker(self) -> None:
+        while not self._closed:
+            deadline = self.endpoint.get_timer()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            now = self.now()
+            if deadline is not None and deadline <= now:
+                self.endpoint.handle_timer(now)
+            await self._service(poke_ticker=False)
+
+    async def _service(self, *, poke_ticker: bool) -> None:
+        if self._closed:
+            return
+        out = self.endpoint.service(self.now())
+        while self.udp.send_batch(out):
+            out = []
+            await trio.lowlevel.wait_writable(self.udp.sock)
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+        if poke_ticker:
+            self._wakeup.set()  # the timer may have moved: let the ticker look again
+
+
+@contextlib.asynccontextmanager
+async def open_endpoint(endpoint: QuicEndpoint, host: str, port: int) -> AsyncIterator[TrioDriver]:
+    """Bind ``host:port`` and drive ``endpoint`` there until the block ends."""
+    udp = UdpSocket(host, port)
+    driver = TrioDriver(endpoint, udp)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(driver.run)
+            try:
+                yield driver
+            finally:
+                await driver.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        udp.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_relay(
+    listen: str = "127.0.0.1:4443",
+    *,
+    tls: TlsConfig,
+    stack: str = "aioquic",
+    relay_config: RelayConfig | None = None,
+    upstream: str | None = None,
+    upstream_tls: TlsConfig | None = None,
+    max_datagram_size: int | None = None,
+    max_connections: int = 256,
+    timeout: float = 10.0,
+) -> AsyncIterator[RelayServer]:
+    """A caching relay on ``listen`` (``host:port``); ``upstream``: a parent relay's URL."""
+    host, port = parse_hostport(listen)
+    endpoint = relay_endpoint(
+        tls=tls,
+        stack=stack,
+        relay_config=relay_config,
+        max_datagram_size=max_datagram_size,
+        max_connections=max_connections,
+    )
+    async with open_endpoint(endpoint, host, port) as driver:
+        parent = None
+        if upstream is not None:
+            url = parse_url(upstream)
+            addr = await _resolve(url.host, url.port)
+            pump = endpoint.connect(
+                addr,
+                driver.now(),
+                configuration=client_configuration(endpoint, url, upstream_tls, max_datagram_size),
+                session_config=client_session_config(url),
+            )
+            parent = MoqtClient(driver, pump, ClientApp(), upstream)
+            driver.wake()
+            await parent.wait_ready(timeout)
+        yield RelayServer(driver, driver.udp.address, parent)
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    url: str,
+    *,
+    tls: TlsConfig | None = None,
+    stack: str = "aioquic",
+    timeout: float = 10.0,
+    max_datagram_size: int | None = None,
+) -> AsyncIterator[MoqtClient]:
+    """A MOQT session with the server at ``moqt://host:port[/path]``."""
+    target = parse_url(url)
+    addr = await _resolve(target.host, target.port)
+    app = ClientApp()
+    endpoint = client_endpoint(stack=stack, app=app)
+    bind = "127.0.0.1" if is_loopback(addr[0]) else ("::" if ":" in addr[0] else "0.0.0.0")
+    async with open_endpoint(endpoint, bind, 0) as driver:
+        pump = endpoint.connect(
+            addr,
+            driver.now(),
+            configuration=client_configuration(endpoint, target, tls, max_datagram_size),
+            session_config=client_session_config(target),
+        )
+        client = MoqtClient(driver, pump, app, url)
+        driver.wake()
+        await client.wait_ready(timeout)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+async def _resolve(host: str, port: int) -> Any:
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ConnectError(f"cannot resolve {host}: {exc}") from None
+    addr = infos[0][4]
+    return (addr[0], addr[1])
