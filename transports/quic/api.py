@@ -46,9 +46,12 @@ from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.wire.codes import SessionErrorCode
 from kvcs_core.wire.names import TrackNamespace
 
+from ._setup import client_configuration, client_session_config
 from .apps import ClientApp, ConsumerHandle
+from .config import MoqtUrl
 from .endpoint import QuicEndpoint
 from .pump import SessionPump
+from .tls import TlsConfig
 
 log = logging.getLogger("kvcs.quic")
 
@@ -378,3 +381,24 @@ class RelayServer:
     @property
     def connections(self) -> int:
         return len(self.driver.endpoint.pumps)
+
+
+def open_session(
+    driver: Driver,
+    app: ClientApp,
+    target: MoqtUrl,
+    url: str,
+    addr: Any,
+    tls: TlsConfig | None,
+    max_datagram_size: int | None,
+) -> MoqtClient:
+    """Start a client connection on ``driver``'s endpoint; the session follows the handshake."""
+    endpoint = driver.endpoint
+    pump = endpoint.connect(
+        addr,
+        driver.now(),
+        configuration=client_configuration(endpoint, target, tls, max_datagram_size),
+        session_config=client_session_config(target),
+    )
+    driver.wake()
+    return MoqtClient(driver, pump, app, url)

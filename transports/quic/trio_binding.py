@@ -37,7 +37,7 @@ from ._setup import (
     parse_url,
     relay_endpoint,
 )
-from .api import ConnectError, MoqtClient, RelayServer
+from .api import ConnectError, MoqtClient, RelayServer, open_session
 from .apps import ClientApp
 from .config import parse_hostport
 from .endpoint import QuicEndpoint
@@ -52,8 +52,10 @@ __all__ = [
     "RelayServer",
     "TrioDriver",
     "connect",
+    "gather",
     "open_endpoint",
     "serve_relay",
+    "sleep",
 ]
 
 
@@ -199,24 +201,31 @@ async def connect(
     stack: str = "aioquic",
     timeout: float = 10.0,
     max_datagram_size: int | None = None,
+    via: MoqtClient | None = None,
 ) -> AsyncIterator[MoqtClient]:
-    """A MOQT session with the server at ``moqt://host:port[/path]``."""
+    """A MOQT session with the server at ``moqt://host:port[/path]``.
+
+    ``via``: open the session on the UDP socket (and event-loop driver) of another
+    client, e.g. a second relay for one retrieval (``retrieve_cache(..., also=...)``);
+    both must reach their servers from the same local address.
+    """
     target = parse_url(url)
     addr = await _resolve(target.host, target.port)
+    if via is not None:
+        client = open_session(via.driver, via.app, target, url, addr, tls, max_datagram_size)
+        try:
+            await client.wait_ready(timeout)
+            yield client
+        finally:
+            await client.close()
+        return
     app = ClientApp()
     endpoint = client_endpoint(stack=stack, app=app)
     bind = "127.0.0.1" if is_loopback(addr[0]) else ("::" if ":" in addr[0] else "0.0.0.0")
     async with open_endpoint(endpoint, bind, 0) as driver:
-        pump = endpoint.connect(
-            addr,
-            driver.now(),
-            configuration=client_configuration(endpoint, target, tls, max_datagram_size),
-            session_config=client_session_config(target),
-        )
-        client = MoqtClient(driver, pump, app, url)
-        driver.wake()
-        await client.wait_ready(timeout)
+        client = open_session(driver, app, target, url, addr, tls, max_datagram_size)
         try:
+            await client.wait_ready(timeout)
             yield client
         finally:
             await client.close()
@@ -229,3 +238,21 @@ async def _resolve(host: str, port: int) -> Any:
         raise ConnectError(f"cannot resolve {host}: {exc}") from None
     addr = infos[0][4]
     return (addr[0], addr[1])
+
+
+async def sleep(seconds: float) -> None:
+    """``trio.sleep``, so that loop-agnostic code can pause through the binding."""
+    await trio.sleep(seconds)
+
+
+async def gather(*jobs: Callable[[], Any]) -> list[Any]:
+    """Run the coroutine functions concurrently in a nursery; their results in order."""
+    results: list[Any] = [None] * len(jobs)
+
+    async def one(i: int) -> None:
+        results[i] = await jobs[i]()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(jobs)):
+            nursery.start_soon(one, i)
+    return results

@@ -1,11 +1,5 @@
-"""The ``kvcs`` command line.
+"""``kvcs selfcheck``: the codec checked against the MOQT draft-22 byte vectors.
 
-Subcommands
------------
-``kvcs demo``
-    The README's first quick-start command: the main job on an embedded
-    default. The layer-by-layer KV-cache demo (publisher -> relay -> consumer)
-    is not built yet, so today it says so and runs the codec self-check.
 ``kvcs selfcheck``
     Encodes and decodes every MOQT draft-22 byte vector of
     ``shared/spec/moqt22-vectors.json`` (found through ``--vectors``, the
@@ -14,20 +8,16 @@ Subcommands
     from the codec's own classes and compared byte for byte with hex copied
     from that file. Prints one line per check; exits 0 only if all pass.
 
-Bad arguments give argparse's one-line error and exit status 2. ``-v`` turns
-on debug logging (with the traceback of a failing check) on stderr.
+``-v`` turns on debug logging (with the traceback of a failing check).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -389,68 +379,3 @@ def selfcheck(vectors: Path | None, *, builtin_only: bool) -> int:
     failed = sum(not r.ok for r in results)
     print("selfcheck: all checks passed" if not failed else f"selfcheck: {failed} check(s) FAILED")
     return 0 if not failed else 1
-
-
-def _version() -> str:
-    try:
-        return metadata.version("kvcs")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvcs",
-        description="Stream LLM KV caches layer by layer over MOQT (draft-22).",
-    )
-    parser.add_argument(
-        "--version", action="version", version=f"kvcs {_version()} (MOQT draft-22, ALPN {ALPN})"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add_check_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--vectors",
-            type=Path,
-            metavar="FILE",
-            help=f"the vector file (default: ${SHARED_ENV}/spec/{VECTOR_FILE},"
-            f" else ../shared/spec/{VECTOR_FILE} beside the repository)",
-        )
-        p.add_argument(
-            "--builtin-only", action="store_true", help="skip the vector file, run the built-in set"
-        )
-
-    demo = sub.add_parser("demo", help="the main job on an embedded default (today: selfcheck)")
-    add_check_options(demo)
-    check = sub.add_parser("selfcheck", help="encode and decode every MOQT byte vector")
-    add_check_options(check)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="kvcs: %(levelname)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if args.vectors is not None and not args.vectors.is_file():
-        parser.error(f"--vectors: no such file: {args.vectors}")
-    if args.command == "demo":
-        print("kvcs demo: the layer-by-layer KV-cache demo (publisher -> relay -> consumer) is")
-        print("not built yet. Running what exists today instead: the codec self-check.")
-        print()
-    try:
-        return selfcheck(args.vectors, builtin_only=args.builtin_only)
-    except KeyboardInterrupt:
-        print("kvcs: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # e.g. `kvcs selfcheck | head`: the reader left
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

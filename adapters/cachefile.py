@@ -1,0 +1,220 @@
+"""KV caches on disk: ``.npz`` and safetensors files that ``kvcs publish`` reads and ``kvcs fetch``
+writes, plus the synthetic Llama-shaped cache the demo and the tests use.
+
+A cache file holds what a publisher needs and a consumer produces:
+
+* ``k`` and ``v``: engine arrays ``[layers, kv_heads, tokens, head_dim]`` (HND) of
+  the descriptor's raw dtype (:func:`adapters.numpy_kv.engine_dtype`: bfloat16 as
+  ``uint16`` bit patterns, float8 as ``uint8``);
+* ``tokens``: the token IDs (u32) the cache was computed for;
+* the KVSP Compatibility Descriptor (JSON).
+
+``.npz``: arrays ``k``, ``v``, ``tokens`` and ``descriptor`` (the JSON as UTF-8
+bytes in a ``uint8`` array). ``.safetensors``: tensors ``k``, ``v`` (``BF16``,
+``F16``, ``F32``, ``F8_E4M3``/``F8_E5M2`` as stored) and ``tokens`` (``U32``),
+the descriptor as the ``kvcs_descriptor`` metadata string; read and written
+here directly (8-octet header length, JSON header, data), no extra package.
+
+Every problem with a file is a :class:`CacheFileError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from adapters.numpy_kv import engine_dtype
+from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
+
+_SAFETENSORS_DTYPE = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+_MAX_HEADER = 16 * 1024 * 1024
+
+
+class CacheFileError(ValueError):
+    """A cache file is missing, unreadable or inconsistent."""
+
+
+@attrs.frozen(eq=False)
+class CacheFile:
+    """A KV cache with its descriptor and tokens (engine layout HND)."""
+
+    descriptor: dict[str, Any]
+    tokens: tuple[int, ...]
+    k: np.ndarray[Any, Any]
+    v: np.ndarray[Any, Any]
+
+    @property
+    def cd(self) -> CompatibilityDescriptor:
+        return CompatibilityDescriptor(dict(self.descriptor))
+
+    def check(self) -> None:
+        """Raise :class:`CacheFileError` unless shapes and dtypes match the descriptor."""
+        try:
+            cd = self.cd
+        except ValueError as exc:
+            raise CacheFileError(f"bad descriptor: {exc}") from None
+        want = (cd.layers, cd.kv_heads, len(self.tokens), cd.head_dim)
+        dtype = engine_dtype(cd.dtype)
+        for name, arr in (("k", self.k), ("v", self.v)):
+            if arr.shape != want:
+                raise CacheFileError(
+                    f"{name} has shape {arr.shape}, the descriptor and "
+                    f"{len(self.tokens)} tokens need {want}"
+                )
+            if arr.dtype != dtype:
+                raise CacheFileError(f"{name} has dtype {arr.dtype}, {cd.dtype} needs {dtype}")
+        if len(self.tokens) < cd.block_tokens:
+            raise CacheFileError(f"{len(self.tokens)} tokens hold no full block")
+
+
+def load(path: str | Path) -> CacheFile:
+    """Read a ``.npz`` or ``.safetensors`` cache file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CacheFileError(f"no such file: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            cache = _load_safetensors(path)
+        else:
+            cache = _load_npz(path)
+    except CacheFileError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CacheFileError(f"cannot read {path}: {exc}") from None
+    cache.check()
+    return cache
+
+
+def save(path: str | Path, cache: CacheFile) -> None:
+    """Write ``cache`` as ``.safetensors`` (by suffix) or ``.npz``."""
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            _save_safetensors(path, cache)
+        else:
+            np.savez(
+                path,
+                k=cache.k,
+                v=cache.v,
+                tokens=np.asarray(cache.tokens, dtype=np.uint32),
+                descriptor=np.frombuffer(json.dumps(cache.descriptor).encode(), np.uint8),
+            )
+    except OSError as exc:
+        raise CacheFileError(f"cannot write {path}: {exc}") from None
+
+
+def _load_npz(path: Path) -> CacheFile:
+    with np.load(path, allow_pickle=False) as z:
+        missing = {"k", "v", "tokens", "descriptor"} - set(z.files)
+        if missing:
+            raise CacheFileError(f"{path}: missing arrays {sorted(missing)}")
+        descriptor = json.loads(bytes(z["descriptor"]).decode())
+        return CacheFile(descriptor, tuple(int(t) for t in z["tokens"]), z["k"], z["v"])
+
+
+def _load_safetensors(path: Path) -> CacheFile:
+    raw = path.read_bytes()
+    if len(raw) < 8:
+        raise CacheFileError(f"{path}: too short for safetensors")
+    (n,) = struct.unpack_from("<Q", raw)
+    if n > _MAX_HEADER or 8 + n > len(raw):
+        raise CacheFileError(f"{path}: bad safetensors header length {n}")
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__", {}) or {}
+    if "kvcs_descriptor" not in meta:
+        raise CacheFileError(f"{path}: no kvcs_descriptor in the safetensors metadata")
+    descriptor = json.loads(meta["kvcs_descriptor"])
+    data = memoryview(raw)[8 + n :]
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for name in ("k", "v", "tokens"):
+        info = header.get(name)
+        if not isinstance(info, Mapping):
+            raise CacheFileError(f"{path}: no tensor {name!r}")
+        start, end = info["data_offsets"]
+        dtype = np.dtype("<u4") if name == "tokens" else engine_dtype(descriptor["dtype"])
+        arr = np.frombuffer(data[start:end], dtype=dtype)
+        arrays[name] = arr.reshape(tuple(info["shape"]))
+    tokens = tuple(int(t) for t in arrays["tokens"])
+    return CacheFile(descriptor, tokens, arrays["k"], arrays["v"])
+
+
+def _save_safetensors(path: Path, cache: CacheFile) -> None:
+    tokens = np.asarray(cache.tokens, dtype="<u4")
+    tensors = [
+        ("k", cache.k, _SAFETENSORS_DTYPE[cache.descriptor["dtype"]]),
+        ("v", cache.v, _SAFETENSORS_DTYPE[cache.descriptor["dtype"]]),
+        ("tokens", tokens, "U32"),
+    ]
+    header: dict[str, Any] = {"__metadata__": {"kvcs_descriptor": json.dumps(cache.descriptor)}}
+    offset = 0
+    for name, arr, dt in tensors:
+        header[name] = {
+            "dtype": dt,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        offset += arr.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, arr, _ in tensors:
+            f.write(np.ascontiguousarray(arr).tobytes())
+
+
+# --- the synthetic cache ----------------------------------------------------------------
+
+
+def llama_descriptor(
+    *,
+    layers: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: str = "bfloat16",
+    block_tokens: int = 16,
+    model: str = "kvcs/synthetic-llama@1",
+) -> dict[str, Any]:
+    """A KVSP descriptor shaped like Llama-3-8B's KV cache (32 layers, 8 KV heads, 128)."""
+    return {
+        "kvsp": 0,
+        "model": model,
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+        "block_tokens": block_tokens,
+    }
+
+
+def synthetic(descriptor: Mapping[str, Any], tokens: int, seed: int = 1) -> CacheFile:
+    """A reproducible cache: the same descriptor, token count and seed give the same bits.
+
+    Token IDs and K/V bit patterns come from ``numpy.random.default_rng(seed)``
+    (every bit pattern is allowed, NaNs included: caches are compared bitwise).
+    """
+    cd = CompatibilityDescriptor(dict(descriptor))
+    rng = np.random.default_rng(seed)
+    token_ids = tuple(int(t) for t in rng.integers(0, 128_000, size=tokens))
+    dtype = engine_dtype(cd.dtype)
+    shape = (cd.layers, cd.kv_heads, tokens, cd.head_dim)
+    info = np.iinfo(dtype) if dtype.kind == "u" else None
+    if info is not None:
+        k = rng.integers(0, info.max + 1, size=shape, dtype=dtype)
+        v = rng.integers(0, info.max + 1, size=shape, dtype=dtype)
+    else:
+        k = rng.standard_normal(size=shape).astype(dtype)
+        v = rng.standard_normal(size=shape).astype(dtype)
+    return CacheFile(dict(descriptor), token_ids, k, v)

@@ -1,0 +1,246 @@
+"""The ``kvcs`` command line.
+
+Subcommands
+-----------
+``kvcs demo``
+    The main job on an embedded default: a relay (``kvcs relay`` in a child
+    process), a producer publishing a synthetic Llama-shaped cache layer by layer
+    and several consumers (live, mid-production, late, partial prefix), all
+    over real QUIC on 127.0.0.1; each cache is verified bit for bit and a table
+    of the figures is printed (:mod:`.demo`).
+``kvcs relay``
+    A caching MOQT draft-22 relay: ``kvcs relay --listen 127.0.0.1:4443 --self-signed``.
+``kvcs publish URL``
+    Publish a cache (``--file`` or ``--synthetic``) through a relay.
+``kvcs fetch URL``
+    Retrieve the cache of a prompt (named by ``--file`` or the synthetic options),
+    verify it, report, optionally write it (``--out``).
+``kvcs ls URL``
+    The namespaces announced under a prefix (default ``kvcs-1``).
+``kvcs selfcheck``
+    The codec against the MOQT byte vectors (:mod:`.selfcheck`).
+
+Exit statuses (:class:`~.common.Exit`): 0 success, 1 the job failed (a cache
+incomplete or different), 2 bad arguments, 3 network (unreachable, refused,
+lost, address in use), 4 TLS (certificate or key), 5 files, 130 interrupted.
+Every error is one line on stderr (``kvcs: error: ...``); ``-v`` adds debug
+logging (the standard ``logging`` module, logger names ``kvcs.*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+
+from kvcs_core.wire.codes import ALPN
+
+from . import commands, demo
+from .common import (
+    Exit,
+    add_cache_options,
+    add_client_tls_options,
+    add_transport_options,
+    quiet_broken_pipe,
+    run,
+)
+from .selfcheck import SHARED_ENV, VECTOR_FILE, selfcheck
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvcs")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcs",
+        description="Stream LLM KV caches layer by layer over MOQT (draft-22).",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"kvcs {_version()} (MOQT draft-22, ALPN {ALPN})"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more logging on stderr (-v info, -vv debug)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="relay + producer + consumers over QUIC on 127.0.0.1")
+    demo.add_options(d)
+    add_transport_options(d)
+
+    r = sub.add_parser("relay", help="run a caching MOQT relay")
+    r.add_argument(
+        "--listen",
+        default="127.0.0.1:4443",
+        metavar="HOST:PORT",
+        help="UDP address to listen on (default 127.0.0.1:4443; port 0: any)",
+    )
+    r.add_argument(
+        "--self-signed",
+        action="store_true",
+        help="generate a certificate for localhost/127.0.0.1 (local use)",
+    )
+    r.add_argument("--cert", type=Path, metavar="PEM", help="certificate chain")
+    r.add_argument("--key", type=Path, metavar="PEM", help="private key of the certificate")
+    r.add_argument(
+        "--cert-dir",
+        type=Path,
+        metavar="DIR",
+        help="where --self-signed writes ca.pem, cert.pem, key.pem (default: a "
+        "new temporary directory)",
+    )
+    r.add_argument("--upstream", metavar="URL", help="parent relay (moqt://host:port) for trees")
+    r.add_argument("--upstream-ca", type=Path, metavar="PEM", help="CA to trust for --upstream")
+    r.add_argument(
+        "--upstream-insecure",
+        action="store_true",
+        help="do not verify the upstream relay's certificate",
+    )
+    r.add_argument(
+        "--cache-budget",
+        type=commands.parse_size,
+        default=1 << 30,
+        metavar="SIZE",
+        help="bytes of objects to cache (default 1GiB; e.g. 512MiB)",
+    )
+    r.add_argument("--run-for", type=float, metavar="S", help="stop after S seconds")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    add_transport_options(r)
+
+    p = sub.add_parser("publish", help="publish a KV cache through a relay")
+    p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
+    add_cache_options(p, role="publish")
+    p.add_argument("--publication-id", metavar="HEX", help="16 octets (default: random)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="declare the cache bit-reproducible (manifest 'deterministic')",
+    )
+    p.add_argument(
+        "--layer-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="pause between layers (simulates prefill speed)",
+    )
+    p.add_argument(
+        "--serve-for",
+        type=float,
+        metavar="S",
+        help="after publishing, serve S more seconds then exit (default: until interrupted)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_client_tls_options(p)
+    add_transport_options(p)
+
+    f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache")
+    f.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
+    add_cache_options(f, role="fetch")
+    f.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another relay to use at the same time (recovery when one fails); repeatable",
+    )
+    f.add_argument(
+        "--prompt-tokens",
+        type=int,
+        metavar="N",
+        help="use only the first N tokens of the prompt (a shorter prompt)",
+    )
+    f.add_argument("--out", type=Path, metavar="PATH", help="write the cache (.npz/.safetensors)")
+    f.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="do not compare with the source cache (--file or synthetic)",
+    )
+    f.add_argument(
+        "--fetch-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="give up after S seconds (default 120)",
+    )
+    f.add_argument(
+        "--recovery-time",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="how long to try to recover missing objects (default 2)",
+    )
+    f.add_argument("--json", action="store_true", help="machine-readable output")
+    add_client_tls_options(f)
+    add_transport_options(f)
+
+    ls = sub.add_parser("ls", help="list the namespaces announced under a prefix")
+    ls.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
+    ls.add_argument(
+        "--prefix",
+        default="kvcs-1",
+        help="namespace prefix: fields joined by '/', a field 0x<hex> is binary (default kvcs-1)",
+    )
+    ls.add_argument(
+        "--quiet",
+        type=float,
+        default=0.3,
+        metavar="S",
+        help="stop once no new namespace came for S seconds",
+    )
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    add_client_tls_options(ls)
+    add_transport_options(ls)
+
+    check = sub.add_parser("selfcheck", help="encode and decode every MOQT byte vector")
+    check.add_argument(
+        "--vectors",
+        type=Path,
+        metavar="FILE",
+        help=f"the vector file (default: ${SHARED_ENV}/spec/{VECTOR_FILE},"
+        f" else ../shared/spec/{VECTOR_FILE} beside the repository)",
+    )
+    check.add_argument(
+        "--builtin-only", action="store_true", help="skip the vector file, run the built-in set"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(
+        level=level, format="kvcs: %(levelname)s: %(name)s: %(message)s", stream=sys.stderr
+    )
+    if args.verbose < 2:
+        logging.getLogger("quic").setLevel(logging.ERROR)  # aioquic's per-packet chatter
+    try:
+        with quiet_broken_pipe():
+            if args.command == "selfcheck":
+                if args.vectors is not None and not args.vectors.is_file():
+                    parser.error(f"--vectors: no such file: {args.vectors}")
+                return selfcheck(args.vectors, builtin_only=args.builtin_only)
+            job = {
+                "relay": commands.relay,
+                "publish": commands.publish,
+                "fetch": commands.fetch,
+                "ls": commands.ls,
+                "demo": demo.demo,
+            }[args.command]
+            return run(args, lambda b: job(b, args))
+    except KeyboardInterrupt:
+        print("kvcs: interrupted", file=sys.stderr)
+        return Exit.INTERRUPTED
+    except commands.Terminated:
+        return Exit.OK

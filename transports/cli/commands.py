@@ -1,0 +1,442 @@
+"""``kvcs relay``, ``kvcs publish``, ``kvcs fetch`` and ``kvcs ls``.
+
+Each command is one coroutine written against a binding module
+(:mod:`transports.quic.asyncio_binding` or :mod:`transports.quic.trio_binding`,
+chosen by ``--loop``), so every command runs on either loop. Output for people
+goes to stdout (and progress bars to stderr on a terminal); ``--json`` prints one
+JSON object per line instead, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives import serialization
+
+from adapters.cachefile import CacheFile, CacheFileError, save
+from adapters.numpy_kv import KvDestination, layer_sections
+from kvcs_core.kvcs.consumer import RetrievalComplete
+from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
+from kvcs_core.kvcs.publisher import ManifestSigner
+from kvcs_core.relay.config import RelayConfig
+from kvcs_core.wire.names import TrackNamespace
+from transports.quic.api import CacheRetrieval
+from transports.quic.config import parse_hostport
+from transports.quic.tls import TlsConfig, self_signed
+
+from .common import (
+    CliError,
+    Exit,
+    Progress,
+    cache_source,
+    client_tls,
+    format_namespace,
+    json_line,
+    parse_namespace,
+    read_file,
+    scope_key,
+)
+
+log = logging.getLogger("kvcs.cli")
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: the command stopped on request (exit status 0)."""
+
+
+_STOP = [False]
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM sets a flag that the command's wait loops poll; they then end cleanly.
+
+    (Raising from the handler would interrupt the event loop at an arbitrary point.)
+    """
+
+    def handler(signum: int, frame: Any) -> None:
+        _STOP[0] = True
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+async def _wait(b: ModuleType, seconds: float | None, until: Any = None) -> None:
+    """Sleep ``seconds`` (``None``: forever) in short steps; raise :class:`Terminated` on
+    SIGTERM; return early when ``until()`` is true."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while deadline is None or time.monotonic() < deadline:
+        if _STOP[0]:
+            raise Terminated
+        if until is not None and until():
+            return
+        step = 0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic()))
+        await b.sleep(step)
+
+
+# --- relay ---------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in units and not t[-1:].isdigit() else ""
+    number = t[: len(t) - len(unit)]
+    try:
+        value = int(float(number) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("the size must be positive")
+    return value
+
+
+def relay_tls(args: argparse.Namespace) -> TlsConfig:
+    if args.self_signed:
+        if args.cert or args.key:
+            raise CliError("give --self-signed or --cert/--key, not both", Exit.USAGE)
+        directory = args.cert_dir or Path(tempfile.mkdtemp(prefix="kvcs-relay-"))
+        return self_signed(directory)
+    if not args.cert:
+        raise CliError("a relay needs --cert and --key, or --self-signed", Exit.USAGE)
+    return TlsConfig(certfile=str(args.cert), keyfile=str(args.key or args.cert))
+
+
+async def relay(b: ModuleType, args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
+    try:
+        parse_hostport(args.listen)
+    except ValueError as exc:
+        raise CliError(str(exc), Exit.USAGE) from None
+    tls = relay_tls(args)
+    upstream_tls = TlsConfig(
+        cafile=str(args.upstream_ca) if args.upstream_ca else None,
+        verify=not args.upstream_insecure,
+    )
+    config = RelayConfig(cache_budget_bytes=args.cache_budget)
+    try:
+        async with b.serve_relay(
+            args.listen,
+            tls=tls,
+            stack=args.stack,
+            relay_config=config,
+            upstream=args.upstream,
+            upstream_tls=upstream_tls,
+            max_datagram_size=args.datagram_size,
+        ) as server:
+            where = f"moqt://{server.address[0]}:{server.address[1]}"
+            if args.json:
+                json_line(event="listening", url=where, ca=tls.cafile, stack=args.stack)
+            else:
+                print(
+                    f"kvcs relay: listening on {where} ({args.stack}, {args.loop}"
+                    + (f", self-signed; CA {tls.cafile}" if args.self_signed else "")
+                    + (f", upstream {args.upstream}" if args.upstream else "")
+                    + ")",
+                    flush=True,
+                )
+            started = time.monotonic()
+            while args.run_for is None or time.monotonic() - started < args.run_for:
+                with contextlib.suppress(Terminated):
+                    await _wait(b, 1.0 if args.run_for is None else min(1.0, args.run_for))
+                    st = server.relay.stats()
+                    log.info(
+                        "relay: %d connections, %d tracks, cache %d bytes",
+                        server.connections,
+                        len(server.relay.tracks()),
+                        st.cache_bytes,
+                    )
+                    continue
+                break
+    except OSError as exc:
+        raise CliError(
+            f"cannot listen on {args.listen}: {exc.strerror or exc}", Exit.NETWORK
+        ) from None
+    return Exit.OK
+
+
+# --- publish --------------------------------------------------------------------------------
+
+
+def load_signer(args: argparse.Namespace) -> ManifestSigner | None:
+    if args.sign_key is None:
+        return None
+    raw = read_file(args.sign_key)
+    try:
+        key = serialization.load_pem_private_key(raw, password=None)
+        return ManifestSigner(key, args.kid.encode())  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        raise CliError(f"{args.sign_key}: not a usable private key ({exc})", Exit.FILE) from None
+
+
+async def publish(b: ModuleType, args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
+    cache = cache_source(args)
+    key = scope_key(args)
+    signer = load_signer(args)
+    pub_id = None
+    if args.publication_id:
+        try:
+            pub_id = bytes.fromhex(args.publication_id)
+        except ValueError:
+            raise CliError("--publication-id: not hex", Exit.USAGE) from None
+    cd = cache.cd
+    async with b.connect(
+        args.url,
+        tls=client_tls(args),
+        stack=args.stack,
+        timeout=args.timeout,
+        max_datagram_size=args.datagram_size,
+    ) as client:
+        pub = await client.publish_cache(
+            cache.descriptor,
+            key,
+            cache.tokens,
+            publication_id=pub_id,
+            signer=signer,
+            deterministic=args.deterministic,
+        )
+        blocks = len(pub.publisher.block_keys)
+        ns = pub.publisher.namespace
+        report(
+            args,
+            event="publishing",
+            namespace=format_namespace(ns),
+            layers=cd.layers,
+            blocks=blocks,
+        )
+        bar = Progress("publishing", cd.layers, enabled=None if not args.json else False)
+        t0 = time.monotonic()
+        for layer in range(cd.layers):
+            sections = layer_sections(cache.k[layer], cache.v[layer], cd, blocks=blocks)
+            await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+            bar.update(layer + 1)
+            if args.layer_interval:
+                await _wait(b, args.layer_interval)
+        await pub.finish()
+        await pub.drained(timeout=None if args.serve_for is None else args.serve_for + 60)
+        nbytes = pub.publisher.total_bytes
+        report(
+            args,
+            event="published",
+            namespace=format_namespace(ns),
+            layers=cd.layers,
+            blocks=blocks,
+            bytes=nbytes,
+            seconds=round(time.monotonic() - t0, 3),
+            sent=client.pump.bytes_pulled,
+        )
+        if args.serve_for is None and not args.json:
+            print("kvcs publish: serving the publication until interrupted", flush=True)
+        with contextlib.suppress(Terminated):
+            await _wait(b, args.serve_for, until=lambda: client.closed)
+        if client.closed:
+            raise CliError("the relay closed the connection", Exit.NETWORK)
+    return Exit.OK
+
+
+def report(args: argparse.Namespace, **fields: Any) -> None:
+    if args.json:
+        json_line(**fields)
+        return
+    event = fields.pop("event")
+    text = ", ".join(f"{k}={v}" for k, v in fields.items())
+    print(f"kvcs {args.command}: {event}: {text}", flush=True)
+
+
+# --- fetch -------------------------------------------------------------------------------------
+
+
+def load_producer_keys(args: argparse.Namespace) -> dict[bytes, Any] | None:
+    if args.producer_key is None:
+        return None
+    raw = read_file(args.producer_key)
+    try:
+        key = serialization.load_pem_public_key(raw)
+    except ValueError as exc:
+        raise CliError(f"{args.producer_key}: not a public key ({exc})", Exit.FILE) from None
+    return {args.kid.encode(): key}
+
+
+async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
+    source = cache_source(args)  # the prompt (and, for --verify, the expected bits)
+    tokens = source.tokens if args.prompt_tokens is None else source.tokens[: args.prompt_tokens]
+    key = scope_key(args)
+    keys = load_producer_keys(args)
+    cd = source.cd
+    usable = (len(tokens) // cd.block_tokens) * cd.block_tokens
+    if usable == 0:
+        raise CliError("the prompt has no full block", Exit.USAGE)
+    dest = KvDestination(cd, usable)
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(
+            b.connect(
+                args.url,
+                tls=client_tls(args),
+                stack=args.stack,
+                timeout=args.timeout,
+                max_datagram_size=args.datagram_size,
+            )
+        )
+        others = [
+            await stack.enter_async_context(
+                b.connect(url, tls=client_tls(args), timeout=args.timeout, via=client)
+            )
+            for url in args.also
+        ]
+        t0 = time.monotonic()
+        retrieval = client.retrieve_cache(
+            source.descriptor,
+            key,
+            tokens,
+            also=others,
+            destinations=dest.buffer,
+            producer_keys=keys,
+            require_authenticity=keys is not None,
+            recovery_time_bound=args.recovery_time,
+        )
+        outcome = await follow(retrieval, cd.layers, t0, args)
+    return finish_fetch(args, source, dest, outcome)
+
+
+async def follow(
+    retrieval: CacheRetrieval, layers: int, t0: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Wait for the retrieval's end, with progress; the figures of the report."""
+    bar = Progress("fetching", layers, enabled=None if not args.json else False)
+    first: float | None = None
+    try:
+        async for _layer in retrieval:
+            if first is None:
+                first = time.monotonic() - t0
+            bar.update(len(retrieval.ready))
+        result: RetrievalComplete | None = await retrieval.result(
+            timeout=args.fetch_timeout, strict=False
+        )
+    except TimeoutError:
+        result = None
+    total = time.monotonic() - t0
+    return {
+        "result": result,
+        "first": first,
+        "total": total,
+        "ready": list(retrieval.ready),
+        "discarded": sum(1 for e in retrieval.events if type(e).__name__ == "ObjectDiscarded"),
+        "recompute": [e.blocks for e in retrieval.recompute],
+    }
+
+
+def finish_fetch(
+    args: argparse.Namespace, source: CacheFile, dest: KvDestination, outcome: dict[str, Any]
+) -> int:
+    result: RetrievalComplete | None = outcome["result"]
+    cd = source.cd
+    blocks = result.blocks if result is not None else 0
+    tokens = blocks * cd.block_tokens
+    nbytes = 2 * cd.layers * blocks * cd.section_size
+    complete = bool(result and result.complete and blocks > 0)
+    identical: bool | None = None
+    if complete and args.verify:
+        identical = verify_against(source, dest, tokens)
+    if complete and args.out is not None:
+        k = np.stack([dest.as_engine_arrays(layer)[0][:, :tokens] for layer in range(cd.layers)])
+        v = np.stack([dest.as_engine_arrays(layer)[1][:, :tokens] for layer in range(cd.layers)])
+        try:
+            save(args.out, CacheFile(source.descriptor, source.tokens[:tokens], k, v))
+        except CacheFileError as exc:
+            raise CliError(str(exc), Exit.FILE) from None
+    total = outcome["total"]
+    report(
+        args,
+        event="done",
+        complete=complete,
+        blocks=blocks,
+        tokens=tokens,
+        layers_ready=len(outcome["ready"]),
+        bytes=nbytes,
+        first_layer_ms=None if outcome["first"] is None else round(outcome["first"] * 1e3, 1),
+        seconds=round(total, 3),
+        mb_per_s=round(nbytes / total / 1e6, 2) if total else None,
+        discarded=outcome["discarded"],
+        bit_identical=identical,
+        out=str(args.out) if args.out and complete else None,
+    )
+    if result is None:
+        return fail_line("the retrieval did not finish in time", Exit.FAILED)
+    if blocks == 0:
+        return fail_line("no publication of this prompt was found", Exit.FAILED)
+    if not complete:
+        return fail_line("objects are missing: recompute the blocks listed", Exit.FAILED)
+    if identical is False:
+        return fail_line("the received cache differs from the source", Exit.FAILED)
+    return Exit.OK
+
+
+def verify_against(source: CacheFile, dest: KvDestination, tokens: int) -> bool:
+    for layer in range(source.cd.layers):
+        k, v = dest.as_engine_arrays(layer)
+        if not (
+            np.array_equal(k[:, :tokens], source.k[layer, :, :tokens])
+            and np.array_equal(v[:, :tokens], source.v[layer, :, :tokens])
+        ):
+            return False
+    return True
+
+
+def fail_line(message: str, status: int) -> int:
+    print(f"kvcs: error: {message}", file=sys.stderr)
+    return status
+
+
+# --- ls -------------------------------------------------------------------------------------------
+
+
+async def ls(b: ModuleType, args: argparse.Namespace) -> int:
+    prefix = parse_namespace(args.prefix)
+    async with b.connect(
+        args.url,
+        tls=client_tls(args),
+        stack=args.stack,
+        timeout=args.timeout,
+        max_datagram_size=args.datagram_size,
+    ) as client:
+        found = await client.discover(prefix, quiet=args.quiet, timeout=args.timeout)
+    for ns in found:
+        describe(args, ns)
+    if not args.json:
+        print(f"{len(found)} namespace(s) under {args.prefix!r}", file=sys.stderr)
+    return Exit.OK
+
+
+def describe(args: argparse.Namespace, ns: TrackNamespace) -> None:
+    fields: dict[str, Any] = {"namespace": format_namespace(ns)}
+    try:
+        k = KvcsNamespace.from_track_namespace(ns)
+        fields.update(
+            scope_id=k.scope_id.hex(),
+            compat_id=k.compat_id.hex(),
+            anchor_key=k.anchor_key.hex(),
+            publication_id=k.publication_id.hex(),
+        )
+    except (KvcsNameError, ValueError):
+        pass
+    if args.json:
+        json_line(**fields)
+    else:
+        extra = (
+            ""
+            if len(fields) == 1
+            else (
+                f"  (scope {fields['scope_id'][:12]}…, compat {fields['compat_id'][:12]}…, "
+                f"publication {fields['publication_id']})"
+            )
+        )
+        print(f"{fields['namespace']}{extra}")

@@ -1,0 +1,299 @@
+"""Shared pieces of the ``kvcs`` subcommands: options, exit codes, errors, loops, progress."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import trio
+
+from adapters.cachefile import CacheFile, CacheFileError, llama_descriptor, load, synthetic
+from kvcs_core.wire.names import TrackNamespace
+from transports.quic import asyncio_binding, trio_binding
+from transports.quic.api import ConnectError
+from transports.quic.config import UrlError
+from transports.quic.stack import STACKS, StackUnavailable
+from transports.quic.tls import TlsConfig, TlsError
+
+log = logging.getLogger("kvcs.cli")
+
+
+class Exit:
+    """Exit statuses that scripts can rely on."""
+
+    OK = 0
+    FAILED = 1
+    """The job ran but did not succeed (a retrieval incomplete or not bit-identical)."""
+    USAGE = 2
+    """Bad arguments (argparse's own code)."""
+    NETWORK = 3
+    """Unreachable peer, refused or lost connection, bad URL, address in use."""
+    TLS = 4
+    """Certificate or key missing, unusable, or not trusted by the peer."""
+    FILE = 5
+    """A file to read is missing or malformed, or one to write cannot be."""
+    INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """A one-line error for the user, with its exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+DEFAULT_SCOPE_KEY = bytes(32)
+"""The scope key used when none is given: fine for demos, never for real tenants."""
+
+
+# --- options ----------------------------------------------------------------------------
+
+
+def add_transport_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transport")
+    g.add_argument("--stack", choices=STACKS, default="aioquic", help="QUIC implementation")
+    g.add_argument(
+        "--loop", choices=("asyncio", "trio"), default="asyncio", help="event loop to run on"
+    )
+    g.add_argument(
+        "--datagram-size",
+        type=int,
+        metavar="BYTES",
+        help="largest UDP payload QUIC may send (default: the stack's, 1200-1280)",
+    )
+
+
+def add_client_tls_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS")
+    g.add_argument("--ca", type=Path, metavar="PEM", help="also trust this CA certificate")
+    g.add_argument(
+        "-k",
+        "--insecure",
+        action="store_true",
+        help="do not verify the server certificate (local tests only)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for the connection (default 10)",
+    )
+
+
+def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
+    g = p.add_argument_group("cache")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument(
+        "--file",
+        type=Path,
+        metavar="PATH",
+        help=".npz or .safetensors cache file (k, v, tokens, descriptor)"
+        + (": its descriptor and tokens name the prompt to fetch" if role == "fetch" else ""),
+    )
+    src.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="a synthetic Llama-shaped cache (the default when no --file)",
+    )
+    g.add_argument("--layers", type=int, default=32)
+    g.add_argument("--kv-heads", type=int, default=8)
+    g.add_argument("--head-dim", type=int, default=128)
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--block-tokens", type=int, default=16)
+    g.add_argument("--tokens", type=int, default=256, help="prompt length of the synthetic cache")
+    g.add_argument("--seed", type=int, default=1, help="seed of the synthetic cache")
+    k = p.add_argument_group("keys")
+    k.add_argument(
+        "--scope-key",
+        metavar="HEX",
+        help="32-octet scope key in hex (default: all zeros, for demos only)",
+    )
+    k.add_argument(
+        "--scope-key-file",
+        type=Path,
+        metavar="FILE",
+        help="file holding the 32-octet scope key (raw or hex)",
+    )
+    if role == "publish":
+        k.add_argument(
+            "--sign-key",
+            type=Path,
+            metavar="PEM",
+            help="producer private key (Ed25519 or P-256): publish manifest.cose",
+        )
+    else:
+        k.add_argument(
+            "--producer-key",
+            type=Path,
+            metavar="PEM",
+            help="trusted producer public key: require a signed manifest",
+        )
+    k.add_argument("--kid", default="producer", help="key ID of the producer key")
+
+
+def scope_key(args: argparse.Namespace) -> bytes:
+    if args.scope_key is not None and args.scope_key_file is not None:
+        raise CliError("give --scope-key or --scope-key-file, not both", Exit.USAGE)
+    if args.scope_key_file is not None:
+        raw = read_file(args.scope_key_file)
+        with contextlib.suppress(ValueError):
+            raw = bytes.fromhex(raw.decode("ascii").strip())
+        key = raw
+    elif args.scope_key is not None:
+        try:
+            key = bytes.fromhex(args.scope_key)
+        except ValueError:
+            raise CliError("--scope-key: not hex", Exit.USAGE) from None
+    else:
+        log.warning("no scope key given: using the all-zero demo key")
+        key = DEFAULT_SCOPE_KEY
+    if len(key) != 32:
+        raise CliError(f"the scope key must be 32 octets, not {len(key)}", Exit.USAGE)
+    return key
+
+
+def cache_source(args: argparse.Namespace) -> CacheFile:
+    if args.file is not None:
+        try:
+            return load(args.file)
+        except CacheFileError as exc:
+            raise CliError(str(exc), Exit.FILE) from None
+    try:
+        desc = llama_descriptor(
+            layers=args.layers,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype=args.dtype,
+            block_tokens=args.block_tokens,
+        )
+        return synthetic(desc, args.tokens, args.seed)
+    except ValueError as exc:
+        raise CliError(f"bad synthetic cache shape: {exc}", Exit.USAGE) from None
+
+
+def read_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}", Exit.FILE) from None
+
+
+def client_tls(args: argparse.Namespace) -> TlsConfig:
+    if args.ca is not None and not args.ca.is_file():
+        raise CliError(f"--ca: no such file: {args.ca}", Exit.FILE)
+    return TlsConfig(cafile=str(args.ca) if args.ca else None, verify=not args.insecure)
+
+
+def binding(args: argparse.Namespace) -> ModuleType:
+    return trio_binding if args.loop == "trio" else asyncio_binding
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, main: Callable[[ModuleType], Awaitable[int]]) -> int:
+    """Run ``main(binding)`` on the chosen loop; map failures to one line and a status."""
+    b = binding(args)
+    try:
+        if args.loop == "trio":
+            return int(trio.run(main, b))
+        return asyncio.run(main(b))  # type: ignore[arg-type]
+    except CliError as exc:
+        return fail(str(exc), exc.status)
+    except (TlsError, StackUnavailable) as exc:
+        return fail(str(exc), Exit.TLS if isinstance(exc, TlsError) else Exit.USAGE)
+    except UrlError as exc:
+        return fail(str(exc), Exit.USAGE)
+    except ConnectError as exc:
+        status = Exit.TLS if "certificate" in str(exc) else Exit.NETWORK
+        return fail(str(exc), status)
+    except OSError as exc:
+        return fail(f"network error: {exc.strerror or exc}", Exit.NETWORK)
+    except CacheFileError as exc:
+        return fail(str(exc), Exit.FILE)
+
+
+def fail(message: str, status: int) -> int:
+    print(f"kvcs: error: {message}", file=sys.stderr)
+    return status
+
+
+def json_line(**fields: Any) -> None:
+    print(json.dumps(fields, separators=(",", ":")), flush=True)
+
+
+# --- progress ----------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line text progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, label: str, total: int, *, enabled: bool | None = None) -> None:
+        self.label = label
+        self.total = max(total, 1)
+        self.done = 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._last = 0.0
+
+    def update(self, done: int) -> None:
+        self.done = done
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.1 and done < self.total):
+            return
+        self._last = now
+        width = 30
+        filled = int(width * done / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        sys.stderr.write(f"\r{self.label:<14} [{bar}] {done}/{self.total}")
+        if done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def quiet_broken_pipe() -> Iterator[None]:
+    try:
+        yield
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+# --- namespaces on the command line ---------------------------------------------------------
+
+
+def parse_namespace(text: str) -> TrackNamespace:
+    """``kvcs-1/0x0a1b...``: fields separated by ``/``; a field ``0x<hex>`` is binary."""
+    fields: list[bytes] = []
+    for part in text.split("/") if text else []:
+        if part.startswith("0x"):
+            try:
+                fields.append(bytes.fromhex(part[2:]))
+            except ValueError:
+                raise CliError(f"not hex: {part!r}", Exit.USAGE) from None
+        else:
+            fields.append(part.encode())
+    try:
+        return TrackNamespace(tuple(fields))
+    except ValueError as exc:
+        raise CliError(f"bad namespace {text!r}: {exc}", Exit.USAGE) from None
+
+
+def format_namespace(ns: TrackNamespace) -> str:
+    """The inverse of :func:`parse_namespace`: printable ASCII fields as text, others hex."""
+    out = []
+    for f in ns.fields:
+        printable = f and all(0x21 <= c < 0x7F and c != 0x2F for c in f) and not f.startswith(b"0x")
+        out.append(f.decode("ascii") if printable else "0x" + f.hex())
+    return "/".join(out)

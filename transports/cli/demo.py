@@ -1,0 +1,367 @@
+"""``kvcs demo``: the main job, end to end over real QUIC on 127.0.0.1.
+
+What runs:
+
+1. a relay: ``kvcs relay --listen 127.0.0.1:0 --self-signed`` in a child process
+   (``--in-process`` keeps it in this process instead);
+2. a producer that publishes a synthetic Llama-shaped cache (32 layers, 8 KV
+   heads, head_dim 128, bfloat16, 16-token blocks; ``--tokens`` long) layer by
+   layer through the relay, one layer every ``--layer-interval`` seconds, as a
+   prefill would;
+3. consumers, each on its own QUIC connection: *live* (subscribed before the
+   first layer), *mid* (joins halfway through production), *late* (after the
+   cache is complete: FETCH from the relay's cache) and *partial* (its prompt
+   extends the producer's by a few blocks: it finds the shorter publication by
+   discovery and receives exactly the shared blocks).
+
+Every consumer's result is compared bit for bit with the source cache. The
+table reports, per consumer, the time to its first usable layer and to the
+end, the bytes and the rate, and whether the bits match; below it, the bytes
+the producer sent against the bytes the relay delivered. The exit status is 0
+only if every consumer verified its cache bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from types import ModuleType
+from typing import Any
+
+import attrs
+import numpy as np
+
+from adapters.cachefile import CacheFile, llama_descriptor, synthetic
+from adapters.numpy_kv import KvDestination, layer_sections
+from kvcs_core.kvcs.consumer import ManifestAccepted, PublicationSelected
+from transports.quic.api import CacheRetrieval, MoqtClient
+from transports.quic.tls import TlsConfig, self_signed
+
+from .common import CliError, Exit, Progress
+
+SCOPE_KEY = bytes(range(32))
+RELAY_START_TIMEOUT = 30.0
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=256,
+        help="prompt length of the synthetic cache (default 256: 32 MiB of K+V)",
+    )
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument(
+        "--layer-interval",
+        type=float,
+        default=0.02,
+        metavar="S",
+        help="time to 'compute' each layer (default 0.02 s)",
+    )
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the relay in this process instead of a child process",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="give up after S seconds (default 120)",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON lines")
+
+
+@attrs.define
+class Consumer:
+    name: str
+    how: str
+    tokens: tuple[int, ...]
+    expect_blocks: int
+    dest: KvDestination
+    started: float = 0.0
+    first: float | None = None
+    ended: float | None = None
+    retrieval: CacheRetrieval | None = None
+    complete: bool = False
+    blocks: int = 0
+    identical: bool = False
+
+
+async def demo(b: ModuleType, args: argparse.Namespace) -> int:
+    desc = llama_descriptor(layers=args.layers)
+    if args.tokens < 2 * desc["block_tokens"]:
+        raise CliError("--tokens must cover at least two blocks", Exit.USAGE)
+    source = synthetic(desc, args.tokens, args.seed)
+    cd = source.cd
+    blocks = args.tokens // cd.block_tokens
+    mib = 2 * cd.layers * blocks * cd.section_size / 2**20
+    print(
+        f"kvcs demo: a synthetic Llama-shaped cache: {cd.layers} layers x {cd.kv_heads} KV "
+        f"heads x {cd.head_dim}, {cd.dtype}, {args.tokens} tokens = {blocks} blocks, "
+        f"{mib:.1f} MiB of K+V; {args.stack} on {args.loop}",
+        flush=True,
+    )
+    async with relay_url(b, args) as url:
+        print(f"kvcs demo: relay at {url}", flush=True)
+        return await run_demo(b, args, url, source)
+
+
+@contextlib.asynccontextmanager
+async def relay_url(b: ModuleType, args: argparse.Namespace) -> AsyncIterator[str]:
+    if args.in_process:
+        tls = self_signed(tempfile.mkdtemp(prefix="kvcs-demo-"))
+        async with b.serve_relay(
+            "127.0.0.1:0", tls=tls, stack=args.stack, max_datagram_size=args.datagram_size
+        ) as server:
+            yield server.url
+        return
+    cmd = [
+        sys.executable,
+        "-m",
+        "transports.cli",
+        "relay",
+        "--listen",
+        "127.0.0.1:0",
+        "--self-signed",
+        "--json",
+        "--stack",
+        args.stack,
+        "--loop",
+        args.loop,
+    ]
+    if args.datagram_size:
+        cmd += ["--datagram-size", str(args.datagram_size)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+    try:
+        line = await wait_line(b, proc)
+        yield json.loads(line)["url"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+async def wait_line(b: ModuleType, proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    deadline = time.monotonic() + RELAY_START_TIMEOUT
+    buf = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise CliError(f"the relay process exited with status {proc.returncode}", Exit.NETWORK)
+        ready, _, _ = select.select([fd], [], [], 0)
+        if ready:
+            chunk = os.read(fd, 4096).decode()
+            buf += chunk
+            if "\n" in buf:
+                return buf.split("\n", 1)[0]
+        await b.sleep(0.05)
+    raise CliError("the relay process did not start listening in time", Exit.NETWORK)
+
+
+async def run_demo(b: ModuleType, args: argparse.Namespace, url: str, source: CacheFile) -> int:
+    cd = source.cd
+    tls = TlsConfig(verify=False)  # the relay's certificate is self-signed for this run
+    blocks = len(source.tokens) // cd.block_tokens
+    extra = tuple(range(900_000, 900_000 + 4 * cd.block_tokens + 5))
+    consumers = [
+        Consumer(
+            "live",
+            "SUBSCRIBE before layer 0",
+            source.tokens,
+            blocks,
+            KvDestination(cd, blocks * cd.block_tokens),
+        ),
+        Consumer(
+            "mid",
+            "SUBSCRIBE halfway (fill + live)",
+            source.tokens,
+            blocks,
+            KvDestination(cd, blocks * cd.block_tokens),
+        ),
+        Consumer(
+            "late",
+            "FETCH after completion",
+            source.tokens,
+            blocks,
+            KvDestination(cd, blocks * cd.block_tokens),
+        ),
+        Consumer(
+            "partial",
+            "longer prompt: shared prefix",
+            source.tokens + extra,
+            blocks,
+            KvDestination(cd, (blocks + 4) * cd.block_tokens),
+        ),
+    ]
+    live, mid, late, partial = consumers
+    t0 = time.monotonic()
+    async with b.connect(
+        url, tls=tls, stack=args.stack, max_datagram_size=args.datagram_size
+    ) as producer:
+        pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
+
+        async def consume(c: Consumer, ready: list[bool]) -> None:
+            async with b.connect(
+                url, tls=tls, stack=args.stack, max_datagram_size=args.datagram_size
+            ) as client:
+                await retrieve(b, client, c, source, ready, args.timeout)
+
+        async def produce(ready: list[bool]) -> None:
+            await b.sleep(0)
+            while not ready[0]:  # the live consumer has the manifest: start "prefill"
+                await b.sleep(0.01)
+            bar = Progress("producing", cd.layers)
+            for layer in range(cd.layers):
+                s = layer_sections(source.k[layer], source.v[layer], cd)
+                await pub.put_layer(layer, s.k, s.v, timeout=args.timeout)
+                bar.update(layer + 1)
+                if layer == cd.layers // 2:
+                    mid_go[0] = True
+                await b.sleep(args.layer_interval)
+            await pub.finish()
+            await pub.drained(timeout=args.timeout)
+
+        live_ready: list[bool] = [False]
+        mid_go: list[bool] = [False]
+
+        async def mid_job() -> None:
+            while not mid_go[0]:
+                await b.sleep(0.01)
+            await consume(mid, [False])
+
+        async def after_job() -> None:
+            while not (pub.publisher.complete and live.ended is not None):
+                await b.sleep(0.02)
+            await b.gather(lambda: consume(late, [False]), lambda: consume(partial, [False]))
+
+        await b.gather(
+            lambda: produce(live_ready), lambda: consume(live, live_ready), mid_job, after_job
+        )
+        sent = producer.pump.bytes_pulled
+    total = time.monotonic() - t0
+    return report(args, consumers, source, sent, total)
+
+
+async def retrieve(
+    b: ModuleType,
+    client: MoqtClient,
+    c: Consumer,
+    source: CacheFile,
+    ready: list[bool],
+    timeout: float,
+) -> None:
+    c.started = time.monotonic()
+    r = client.retrieve_cache(
+        source.descriptor,
+        SCOPE_KEY,
+        c.tokens,
+        destinations=c.dest.buffer,
+        require_authenticity=False,
+    )
+    c.retrieval = r
+    bar = Progress(c.name, source.cd.layers)
+
+    async def watch_manifest() -> None:
+        while not ready[0]:
+            if any(isinstance(e, ManifestAccepted | PublicationSelected) for e in r.events):
+                ready[0] = True
+            await b.sleep(0.005)
+            if r.complete is not None:
+                ready[0] = True
+
+    async def layers() -> None:
+        async for _layer in r:
+            if c.first is None:
+                c.first = time.monotonic() - c.started
+            bar.update(len(r.ready))
+
+    await b.gather(watch_manifest, layers)
+    result = await r.result(timeout=timeout, strict=False)
+    c.ended = time.monotonic()
+    c.complete = result.complete
+    c.blocks = result.blocks
+    c.identical = c.complete and c.blocks == c.expect_blocks and identical(source, c.dest, c.blocks)
+
+
+def identical(source: CacheFile, dest: KvDestination, blocks: int) -> bool:
+    t = blocks * source.cd.block_tokens
+    for layer in range(source.cd.layers):
+        k, v = dest.as_engine_arrays(layer)
+        if not (
+            np.array_equal(k[:, :t], source.k[layer, :, :t])
+            and np.array_equal(v[:, :t], source.v[layer, :, :t])
+        ):
+            return False
+    return True
+
+
+def report(
+    args: argparse.Namespace, consumers: list[Consumer], source: CacheFile, sent: int, total: float
+) -> int:
+    cd = source.cd
+    rows: list[dict[str, Any]] = []
+    delivered = 0
+    for c in consumers:
+        nbytes = 2 * cd.layers * c.blocks * cd.section_size
+        delivered += nbytes
+        secs = (c.ended or time.monotonic()) - c.started
+        rows.append(
+            {
+                "consumer": c.name,
+                "how": c.how,
+                "blocks": f"{c.blocks}/{len(c.tokens) // cd.block_tokens}",
+                "first_layer_ms": None if c.first is None else round(c.first * 1e3, 1),
+                "seconds": round(secs, 2),
+                "MB": round(nbytes / 1e6, 1),
+                "MB_per_s": round(nbytes / secs / 1e6, 1) if secs > 0 else None,
+                "bit_identical": c.identical,
+            }
+        )
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        print(
+            json.dumps({"producer_sent": sent, "delivered": delivered, "seconds": round(total, 2)})
+        )
+    else:
+        head = (
+            f"{'consumer':<9}{'how':<34}{'blocks':>8}{'1st layer':>11}{'total':>8}"
+            f"{'MB':>7}{'MB/s':>7}  verified"
+        )
+        print()
+        print(head)
+        print("-" * len(head))
+        for row in rows:
+            first = "-" if row["first_layer_ms"] is None else f"{row['first_layer_ms']:.0f} ms"
+            rate = "-" if row["MB_per_s"] is None else f"{row['MB_per_s']:.1f}"
+            ok = "bit for bit" if row["bit_identical"] else "FAILED"
+            print(
+                f"{row['consumer']:<9}{row['how']:<34}{row['blocks']:>8}{first:>11}"
+                f"{row['seconds']:>7.2f}s{row['MB']:>7.1f}{rate:>7}  {ok}"
+            )
+        print()
+        print(
+            f"producer sent {sent:,} bytes once; the relay delivered {delivered:,} bytes of "
+            f"K/V data to {len(consumers)} consumers ({delivered / max(sent, 1):.1f}x); "
+            f"{total:.1f} s in all"
+        )
+    if not all(c.identical for c in consumers):
+        print("kvcs: error: a consumer did not receive its cache bit for bit", file=sys.stderr)
+        return Exit.FAILED
+    return Exit.OK
