@@ -18,6 +18,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from session_pair import Pair
 
+from kvcs_core.kvcs import _verify
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
     DiscardReason,
@@ -37,7 +38,13 @@ from kvcs_core.kvcs.consumer import (
 from kvcs_core.kvcs.cose import sign_manifest
 from kvcs_core.kvcs.manifest import Manifest, Segment
 from kvcs_core.kvcs.names import MANIFEST_COSE_TRACK, MANIFEST_TRACK, Component, KvcsNamespace
-from kvcs_core.kvcs.payload import ObjectRejectReason, build_payload_parts, data_digest
+from kvcs_core.kvcs.payload import (
+    _HEADER,
+    HEADER_LEN,
+    ObjectRejectReason,
+    build_payload_parts,
+    data_digest,
+)
 from kvcs_core.kvsp.codecs import Codec, encode_kv, encoded_size
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 from kvcs_core.kvsp.keys import block_keys, block_keys_sha256, scope_id
@@ -950,3 +957,85 @@ def test_a_session_attached_before_its_setup_is_used_once_set_up() -> None:
     assert done.complete
     assert_all_data(c, fx)
     assert c.session_index(late.cli) == 1
+
+
+# --- the per-Object check (``_verify.check_object``) ---------------------------------------
+
+
+def _check_case() -> tuple[bytes, dict[str, Any]]:
+    data = bytes(range(256)) * 2
+    head, _ = build_payload_parts(
+        component=Component.V,
+        layer=3,
+        block_index=5,
+        token_start=7 * 16,
+        token_count=16,
+        codec=int(Codec.RAW),
+        data=data,
+    )
+    context = {
+        "layer": 3,
+        "object_id": 5,
+        "component": Component.V,
+        "codec": int(Codec.RAW),
+        "block_tokens": 16,
+        "token_start": 7 * 16,
+        "listed_digest": hashlib.sha256(data).digest(),
+        "data_length": len(data),
+    }
+    return head + data, context
+
+
+def _header_mutations() -> list[tuple[str, int, int]]:
+    """(name, offset, size) of every header field: each is changed in turn below."""
+    return [
+        ("magic", 0, 4), ("version", 4, 1), ("component", 5, 1), ("flags", 6, 2),
+        ("layer", 8, 4), ("block", 12, 4), ("token start", 16, 8), ("token count", 24, 4),
+        ("codec", 28, 2), ("reserved", 30, 2), ("data length", 32, 4), ("digest", 36, 32),
+    ]  # fmt: skip
+
+
+def test_check_object_fast_path_agrees_with_the_full_check() -> None:
+    """Every mutation gets the same verdict from ``check_object`` (fast path first) as
+    from the full, ordered check; Flags and Reserved are ignored on receipt."""
+    assert _verify._EXPECTED.size == HEADER_LEN == _HEADER.size
+    payload, ctx = _check_case()
+    cases: list[tuple[str, bytes, dict[str, Any]]] = [("valid", payload, ctx)]
+    cases.append(("not listed", payload, {**ctx, "listed_digest": None}))
+    cases.append(("listed differs", payload, {**ctx, "listed_digest": bytes(32)}))
+    for what in ("layer", "object_id", "component", "codec", "block_tokens", "token_start"):
+        cases.append((f"expected {what}", payload, {**ctx, what: int(ctx[what]) + 1}))
+    cases.append(("codec's length", payload, {**ctx, "data_length": ctx["data_length"] - 2}))
+    for name, offset, size in _header_mutations():
+        for delta in (1, 0x80):
+            buf = bytearray(payload)
+            buf[offset + size - 1] ^= delta
+            cases.append((f"{name} ^ {delta}", bytes(buf), ctx))
+    buf = bytearray(payload)
+    buf[HEADER_LEN + 7] ^= 1
+    cases.append(("data bit", bytes(buf), ctx))
+    cases.append(("data bit, not listed", bytes(buf), {**ctx, "listed_digest": None}))
+    cases += [
+        ("truncated", payload[:-1], ctx),
+        ("trailing", payload + b"\0", ctx),
+        ("header only", payload[:HEADER_LEN], ctx),
+        ("short header", payload[:10], ctx),
+        ("empty", b"", ctx),
+    ]
+    accepted = 0
+    for name, raw, context in cases:
+        views = [memoryview(raw), memoryview(bytearray(raw))]
+        if len(raw) % 2 == 0:
+            views.append(memoryview(raw).cast("H"))  # not a byte view: the full check
+        for view in views:
+            fast = _verify.check_object(view, **context)
+            full = _verify._full_check(view, **context)
+            if isinstance(full, _verify.ObjectVerdict):
+                assert fast == full, name
+            else:
+                assert isinstance(fast, tuple), name
+                assert (bytes(fast[0]), fast[1]) == (bytes(full[0]), full[1]), name
+                assert fast[0].obj is view.obj  # a view of the payload, no copy
+                accepted += 1
+    # valid, not listed, Flags and Reserved changes: accepted in every view
+    assert accepted == 3 * (2 + 2 * 2)

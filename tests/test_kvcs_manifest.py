@@ -422,6 +422,12 @@ VALIDATION_CASES = [
     ),
     ("digest not hex", _set([*KD, 0, 1], "zz" * 32), E.BAD_HEX, "k.raw.s0[0][1]"),
     ("digest int", _set([*KD, 0, 1], 0), E.BAD_TYPE, "k.raw.s0[0][1]"),
+    # a whole Group is checked in one pass; each of these must still name its digest
+    ("digest upper", _set([*KD, 1, 0], hx("u").upper()), E.BAD_HEX, "k.raw.s0[1][0]"),
+    ("digest spaced", _set([*KD, 0, 1], hx("s")[:60] + " ab "), E.BAD_HEX, "k.raw.s0[0][1]"),
+    ("digest short", _set([*KD, 0, 0], hx("s")[:62]), E.BAD_HEX, "k.raw.s0[0][0]"),
+    ("digest long", _set([*KD, 0, 1], hx("s") + "00"), E.BAD_HEX, "k.raw.s0[0][1]"),
+    ("digest non-ascii", _set([*KD, 0, 1], hx("s")[:63] + "\u0660"), E.BAD_HEX, "[0][1]"),
     ("token start overflow", _set([*S1, "blocks"], 2**32), E.BAD_VALUE, "segments[1].blocks"),
 ]
 
@@ -446,6 +452,24 @@ def test_validation_errors(
     assert err.reason is reason, err
     assert path in err.path, err
     assert isinstance(err, ValueError) and err.detail
+
+
+def test_digests_must_be_exactly_str() -> None:
+    class Text(str):
+        pass
+
+    digests = {"k.raw.s0": ((hx("a"), Text(hx("b"))),)}
+    with pytest.raises(ManifestError) as info:
+        Segment(
+            segment=0,
+            first_block=0,
+            blocks=2,
+            block_keys_sha256=hx("k"),
+            tracks=["k.raw.s0"],
+            complete=False,
+            object_digests=digests,
+        )
+    assert info.value.reason is E.BAD_TYPE and info.value.path.endswith("[0][1]")
 
 
 def test_direct_construction_validates_too() -> None:

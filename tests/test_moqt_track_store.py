@@ -354,6 +354,140 @@ def test_listener_errors_propagate_after_every_listener_ran() -> None:
     s2.append(0, 0, b"x")
 
 
+# --- append_group (the bulk path) -----------------------------------------------------------
+
+
+def _state(s: TrackStore) -> tuple[object, ...]:
+    objs = tuple(s.objects_in(Location(0, 0)))
+    return (
+        objs,
+        [(o.seq, o.head, o.payload_bytes()) for o in objs],
+        len(s),
+        s.total_bytes,
+        s.largest,
+        s.end_of_track,
+        s.group_ids(),
+        [s.group_end(g) for g in s.group_ids()],
+        [s.subgroup_first(g, 0) for g in s.group_ids()],
+    )
+
+
+@pytest.mark.parametrize("end_of_group", [True, False])
+@pytest.mark.parametrize("priority", [None, 7])
+def test_append_group_equals_appends_one_by_one(end_of_group: bool, priority: int | None) -> None:
+    payloads = [b"a", bytearray(b"bb"), memoryview(b"ccc"), array.array("H", [1, 2])]
+    heads = [b"h0", b"", b"h2", b"h3"]
+    one, bulk = store(default_publisher_priority=9), store(default_publisher_priority=9)
+    calls_one: list[object] = []
+    calls_bulk: list[object] = []
+    for each, calls in ((one, calls_one), (bulk, calls_bulk)):
+        each.append(0, 0, b"earlier group")
+        each.subscribe_listener(lambda o, c=calls, x=each: c.append((o, len(x), x.largest)))
+    for oid, (p, h) in enumerate(zip(payloads, heads, strict=True)):
+        one.append(2, oid, p, h, publisher_priority=priority)
+    if end_of_group:
+        one.append(2, len(payloads), status=EOG, publisher_priority=priority)
+    stored = bulk.append_group(
+        2, payloads, heads, publisher_priority=priority, end_of_group=end_of_group
+    )
+    assert _state(bulk) == _state(one)
+    assert calls_bulk == calls_one  # same objects, same store state seen by listeners
+    assert stored == tuple(bulk.objects_in(Location(2, 0)))
+    assert stored[1].payload.obj is payloads[1]  # by reference
+    assert {o.publisher_priority for o in stored} == {9 if priority is None else priority}
+    assert all(o.subgroup_id == 0 and not o.datagram and o.properties == () for o in stored)
+    # the group is what append() would have made
+    with pytest.raises(ConflictingObject):
+        bulk.append(2, 1, b"other", publisher_priority=priority)
+    if end_of_group:
+        with pytest.raises(BeyondEnd):
+            bulk.append(2, 5, b"x")
+
+
+def test_append_group_without_heads_and_empty() -> None:
+    s = store()
+    objs = s.append_group(0, [b"x", b"y"])
+    assert [o.head for o in objs] == [b"", b"", b""]
+    assert s.group_end(0) == Location(0, 2)
+    assert s.append_group(1, [], end_of_group=False) == ()
+    assert s.group_ids() == (0,)
+    (marker,) = s.append_group(1, [])  # a group that is only its End of Group
+    assert marker.status is EOG and s.group_end(1) == Location(1, 0)
+    assert s.append_group(5, [b"later"], end_of_group=False)[0].location == Location(5, 0)
+    s.append_group(3, [b"in between"])  # groups need not come in order
+    assert s.group_ids() == (0, 1, 3, 5)
+    assert s.largest == Location(5, 0)
+
+
+def test_append_group_checks_everything_before_storing() -> None:
+    s = store()
+    s.append(1, 0, b"x")
+    before = _state(s)
+    bad_calls: list[tuple[object, dict[str, object]]] = [
+        ((1, [b"a"]), {}),  # the group holds objects
+        ((2, [b"a", b"b"], [b"h"]), {}),  # heads of another length
+        ((2, [b"a", 5]), {}),  # not a buffer
+        ((2, [b"a", memoryview(bytes(8))[::2]]), {}),  # not contiguous
+        ((2, [b"a", b"b"], [b"h", bytearray(b"h")]), {}),  # a head that is not bytes
+        ((2, [b"a"]), {"publisher_priority": 256}),
+        ((-1, [b"a"]), {}),
+        ((MAX_VI64 + 1, [b"a"]), {}),  # not a vi64
+    ]
+    for args, kw in bad_calls:
+        with pytest.raises(ValueError):
+            s.append_group(*args, **kw)  # type: ignore[arg-type]
+        assert _state(s) == before, args
+    s.append(4, 1, status=EOT)
+    s.evict_group(4)  # End of Track is still known
+    with pytest.raises(BeyondEnd):
+        s.append_group(4, [b"a", b"b"])  # End of Group would be beyond End of Track
+    with pytest.raises(BeyondEnd):
+        s.append_group(5, [b"a"], end_of_group=False)
+    assert s.group_ids() == (1,)
+    s.append_group(4, [b"a"])  # its End of Group is at End of Track: not beyond it
+    s.append_group(3, [b"fine"])
+
+
+def test_append_group_listener_errors_come_after_the_whole_group() -> None:
+    s = store()
+    seen: list[int] = []
+
+    def boom(o: StoredObject) -> None:
+        seen.append(o.object_id)
+        if o.object_id == 1:
+            raise KeyError("boom")
+
+    s.subscribe_listener(boom)
+    with pytest.raises(KeyError):
+        s.append_group(0, [b"a", b"b", b"c"])
+    assert seen == [0, 1, 2, 3] and len(s) == 4  # every object stored and announced
+    s.subscribe_listener(lambda _o: (_ for _ in ()).throw(ValueError("every time")))
+    with pytest.raises(ExceptionGroup) as info:
+        s.append_group(1, [b"a", b"b"], end_of_group=False)
+    assert len(info.value.exceptions) == 3  # KeyError at object 1, ValueError at 0 and 1
+
+
+def test_append_group_from_a_listener_and_eviction_during_it() -> None:
+    s = store()
+    s.subscribe_listener(lambda o: s.append_group(9, [b"x"]) if o.object_id == 0 else None)
+    with pytest.raises(RuntimeError, match="listener"):
+        s.append_group(0, [b"a"])
+    assert s.group_ids() == (0,) and len(s) == 2
+
+    t = store()
+
+    def evict(o: StoredObject) -> None:
+        if o.location == Location(0, 1):
+            t.evict_group(0)
+
+    t.subscribe_listener(evict)
+    t.append_group(0, [b"a", b"b", b"c"])
+    # as with append(): what follows the eviction is stored in a group of its own
+    assert locs(t.objects_in(Location(0, 0))) == [(0, 2), (0, 3)]
+    assert t.subgroup_first(0, 0) == 2 and len(t) == 2 and t.total_bytes == 1
+    assert t.group_end(0) == Location(0, 3)
+
+
 # --- eviction ------------------------------------------------------------------------------
 
 

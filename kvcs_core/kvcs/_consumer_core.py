@@ -56,7 +56,7 @@ from kvcs_core.kvcs._consumer_events import (
     TrackSelection,
 )
 from kvcs_core.kvcs._verify import Refusal
-from kvcs_core.kvcs.manifest import ManifestVersions
+from kvcs_core.kvcs.manifest import Manifest, ManifestVersions
 from kvcs_core.kvcs.names import Component, KvcsNamespace
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.wire.names import Location
@@ -96,6 +96,7 @@ class ObjState(enum.IntEnum):
 _MISSING = (ObjState.WANTED, ObjState.GAP)
 _CODE = {s: bytes((s,)) for s in ObjState}
 _STATES = tuple(ObjState)  # index -> member, faster than ObjState(value)
+_WANTED, _GAP, _HELD, _READY = (int(s) for s in _STATES[:4])  # plain ints: per-Object paths
 
 
 @attrs.define(eq=False)
@@ -203,6 +204,13 @@ class DataRequest:
     no_retry: bool = False
     """It delivered an Object that failed verification, or reported a range it does not
     have: its session is not asked again for this track (it would serve the same)."""
+    pinned: bool = False
+    """Its segment's pin (see ``_retrieval``) is recorded; pins are never removed."""
+    pins_ok: int = 0
+    """How many of the consumer's pins are known not to forbid this request's data."""
+    listed: tuple[Manifest, int, tuple[str, ...] | None] | None = None
+    """Per-Object lookup cache: (manifest version, layer, the digests it lists for that
+    Group of this track, if any)."""
 
     @property
     def end(self) -> int:
@@ -238,6 +246,7 @@ class ObjectTable:
         self.components = components
         self.layers = layers
         self.blocks = blocks
+        self._start = layers.start
         self._nl = len(layers)
         self._rows = [bytearray(blocks) for _ in range(components * self._nl)]
         self._ready = [0] * self._nl
@@ -246,27 +255,34 @@ class ObjectTable:
         self._count[ObjState.WANTED] = components * self._nl * blocks
 
     def row(self, ci: int, layer: int) -> bytearray:
-        return self._rows[ci * self._nl + layer - self.layers.start]
+        return self._rows[ci * self._nl + layer - self._start]
 
     def needs(self, layer: int, block: int) -> bool:
         return layer in self.layers and 0 <= block < self.blocks
 
     def get(self, ci: int, layer: int, block: int) -> ObjState:
-        return _STATES[self._rows[ci * self._nl + layer - self.layers.start][block]]
+        return _STATES[self._rows[ci * self._nl + layer - self._start][block]]
+
+    def state(self, ci: int, layer: int, block: int) -> ObjState | None:
+        """The state of one Object, or None when it is not needed (``needs`` is false)."""
+        li = layer - self._start
+        if not (0 <= li < self._nl and 0 <= block < self.blocks):
+            return None
+        return _STATES[self._rows[ci * self._nl + li][block]]
 
     def set(self, ci: int, layer: int, block: int, new: ObjState) -> bool:
         """Move one Object to ``new``; True when its layer just became ready."""
-        row = self.row(ci, layer)
+        li = layer - self._start
+        row = self._rows[ci * self._nl + li]
         old = row[block]
         if old == new:
             return False
         row[block] = new
         self._count[old] -= 1
         self._count[new] += 1
-        li = layer - self.layers.start
-        if old == ObjState.READY:
+        if old == _READY:
             self._ready[li] -= 1
-        if new == ObjState.READY:
+        if new == _READY:
             self._ready[li] += 1
             return self._ready[li] == self._per_layer
         return False
@@ -277,7 +293,7 @@ class ObjectTable:
     @property
     def unsettled(self) -> int:
         c = self._count
-        return c[ObjState.WANTED] + c[ObjState.GAP] + c[ObjState.HELD]
+        return c[_WANTED] + c[_GAP] + c[_HELD]
 
     def layer_ready(self, layer: int) -> bool:
         return layer in self.layers and self._ready[layer - self.layers.start] == self._per_layer
@@ -350,6 +366,7 @@ class ConsumerCore:
         self.destinations = destinations
         self.codec_value = codec_value
         self.data_length = data_length
+        self.block_tokens = descriptor.block_tokens
         self.components = selection.components
 
         self._phase = Phase.DISCOVERING

@@ -17,16 +17,20 @@ the reverse): such a track could never be selected.
 layer before anything is published, so a failing call leaves nothing behind:
 one K and one V section per full block of the segment, each exactly
 ``descriptor.section_size`` octets (KVSP binding 5). For every offered track
-and every block it builds the 68-octet header (Layer = Group ID, Block Index =
-Object ID, Token Start = ``(first_block + Object ID) * block_tokens``, Token
-Count = ``block_tokens``, the codec's registry value, Data Length and the
-SHA-256 Data Digest) and keeps it apart from the Data (scatter/gather, never
-``header + data``). The Data of ``k.raw``/``v.raw`` is a view of the caller's
-section (no copy); a lossy codec (``q8``, binding 6) makes new buffers, encoded
-once per section even when several tracks need them; a ``kv`` Object is the
-encoded K section followed by the encoded V section, joined into one new
-buffer because an Object payload is one buffer (for ``kv.raw`` this is the one
-copy of the caller's data the publisher makes).
+it returns one :class:`EncodedGroup`: per block the 68-octet header (Layer =
+Group ID, Block Index = Object ID, Token Start = ``(first_block + Object ID) *
+block_tokens``, Token Count = ``block_tokens``, the codec's registry value,
+Data Length and the SHA-256 Data Digest, hashed once per Object straight over
+the Data view) kept apart from the Data (scatter/gather, never ``header +
+data``), and the digests in hex for the manifest. The header fields are
+bounded once per layer (the layer, the largest Token Start, the Data Length),
+so the per-Object step is the hash and one fixed-width pack. The Data of
+``k.raw``/``v.raw`` is a view of the caller's section (no copy); a lossy codec
+(``q8``, binding 6) makes new buffers, encoded once per section even when
+several tracks need them; a ``kv`` Object is the encoded K section followed by
+the encoded V section, joined into one new buffer because an Object payload is
+one buffer (for ``kv.raw`` this is the one copy of the caller's data the
+publisher makes).
 
 *Manifest* (profile 3.6). :class:`SegmentState` records, per segment, the
 digests of every completed Group of every track, in Object order; it becomes a
@@ -50,7 +54,13 @@ import attrs
 from kvcs_core.kvcs.cose import SigningKey, sign_manifest
 from kvcs_core.kvcs.manifest import Manifest, Segment
 from kvcs_core.kvcs.names import Component, DataTrackName
-from kvcs_core.kvcs.payload import ObjectHeader, data_digest
+from kvcs_core.kvcs.payload import (
+    DIGEST_LEN,
+    HEADER_LEN,
+    MAX_DATA_LENGTH,
+    ObjectHeader,
+    pack_header,
+)
 from kvcs_core.kvsp import (
     Codec,
     CompatibilityDescriptor,
@@ -66,7 +76,7 @@ __all__ = [
     "MAX_MANIFEST_INTERVAL",
     "RAW_KV",
     "RAW_KV_WITH_KV_Q8",
-    "EncodedObject",
+    "EncodedGroup",
     "LayerOrderError",
     "ManifestSigner",
     "OfferError",
@@ -214,12 +224,15 @@ class ManifestSigner:
 
 
 @attrs.frozen
-class EncodedObject:
-    """One Object ready to store: the 68 header octets, the Data, its digest in hex."""
+class EncodedGroup:
+    """The Objects of one layer on one track, in Object order, ready to store."""
 
-    head: bytes = attrs.field(repr=False)
-    data: memoryview = attrs.field(repr=lambda v: f"<{v.nbytes} octets>", eq=False)
-    digest_hex: str
+    heads: list[bytes] = attrs.field(repr=False)
+    """The 68 header octets of each Object."""
+    datas: list[memoryview] = attrs.field(repr=lambda v: f"<{len(v)} Objects>", eq=False)
+    """The Data of each Object."""
+    digests_hex: tuple[str, ...] = attrs.field(repr=False)
+    """The Data Digest of each Object, lowercase hex (for ``object_digests``)."""
 
 
 @attrs.define(eq=False)
@@ -251,11 +264,11 @@ class SegmentState:
         """Token Start of an Object: ``(first_block + Object ID) * block_tokens`` (3.4)."""
         return (self.first_block + object_id) * self.block_tokens
 
-    def record_layer(self, layer: int, encoded: Mapping[str, Sequence[EncodedObject]]) -> None:
+    def record_layer(self, layer: int, encoded: Mapping[str, EncodedGroup]) -> None:
         """Note the digests of a completed layer (Group)."""
         assert layer == self.next_layer
         for name, _ in self.offers:
-            self.digests.setdefault(name, []).append(tuple(o.digest_hex for o in encoded[name]))
+            self.digests.setdefault(name, []).append(encoded[name].digests_hex)
         self.next_layer += 1
 
     def to_manifest(self, *, list_digests: bool = True) -> Segment:
@@ -279,14 +292,20 @@ class SegmentState:
 def _sections(
     descriptor: CompatibilityDescriptor, blocks: Sequence[Any], what: str
 ) -> list[memoryview]:
+    """Each section as a byte view (no copy), checked as ``check_section`` does."""
+    size = descriptor.section_size
     out: list[memoryview] = []
     for index, block in enumerate(blocks):
         try:
-            out.append(check_section(descriptor, block, f"{what} section of block {index}"))
-        except KvspError as e:
-            raise SectionMismatchError(str(e)) from None
+            view = memoryview(block).cast("B")
         except (TypeError, ValueError) as e:  # not bytes-like, or not C-contiguous
             raise SectionMismatchError(f"{what} section of block {index}: {e}") from None
+        if view.nbytes != size:
+            try:  # the binding's own words for a wrong size
+                check_section(descriptor, view, f"{what} section of block {index}")
+            except KvspError as e:
+                raise SectionMismatchError(str(e)) from None
+        out.append(view)
     return out
 
 
@@ -296,8 +315,8 @@ def encode_layer(
     layer: int,
     k_blocks: Sequence[Any],
     v_blocks: Sequence[Any],
-) -> dict[str, list[EncodedObject]]:
-    """Every Object of ``layer`` for every offered track of ``segment``, in Object order.
+) -> dict[str, EncodedGroup]:
+    """Every Object of ``layer`` for every offered track of ``segment``, by track name.
 
     ``k_blocks[i]`` and ``v_blocks[i]`` are the K and V sections (KVSP binding 5)
     of block ``first_block + i`` for this layer, as any C-contiguous bytes-like
@@ -308,6 +327,8 @@ def encode_layer(
         SectionMismatchError: not one section per block of the segment, a
             section of the wrong size or layout, or one the codec cannot
             encode (q8: a non-finite element).
+        PayloadEncodeError: a header field the 68-octet format cannot carry
+            (a layer or Token Start too large); nothing is encoded then.
     """
     count = segment.blocks
     if len(k_blocks) != count or len(v_blocks) != count:
@@ -319,6 +340,8 @@ def encode_layer(
     cache: dict[tuple[Codec, int], list[memoryview]] = {}
 
     def encoded(codec: Codec, which: int) -> list[memoryview]:
+        if codec is Codec.RAW:
+            return raw[which]  # raw Data is the section itself (checked above)
         key = (codec, which)
         if key not in cache:
             try:
@@ -327,7 +350,9 @@ def encode_layer(
                 raise SectionMismatchError(f"{codec.registry_name}: {e}") from None
         return cache[key]
 
-    out: dict[str, list[EncodedObject]] = {}
+    block_tokens = segment.block_tokens
+    first_token = segment.token_start(0)
+    out: dict[str, EncodedGroup] = {}
     for name, offer in segment.offers:
         if offer.component is Component.K:
             datas = encoded(offer.codec, 0)
@@ -336,21 +361,39 @@ def encode_layer(
         else:
             pairs = zip(encoded(offer.codec, 0), encoded(offer.codec, 1), strict=True)
             datas = [memoryview(b"".join(pair)) for pair in pairs]
-        objects: list[EncodedObject] = []
+        if not datas:
+            out[name] = EncodedGroup([], [], ())
+            continue
+        # bound every header field once: the largest value of each is checked here, so the
+        # per-Object pack below cannot fail (every Object of a track has one Data Length)
+        length = datas[0].nbytes
+        if any(d.nbytes != length for d in datas) or length > MAX_DATA_LENGTH:
+            raise SectionMismatchError(f"{name}: Data Lengths differ or exceed the u32 field")
+        ObjectHeader(
+            component=offer.component,
+            layer=layer,
+            block_index=count - 1,
+            token_start=segment.token_start(count - 1),
+            token_count=block_tokens,
+            codec=offer.codec,
+            data_length=length,
+            data_digest=bytes(32),
+        )
+        heads: list[bytes] = []
+        digests: list[str] = []
         for object_id, data in enumerate(datas):
-            digest = data_digest(data)
-            head = ObjectHeader(
-                component=offer.component,
-                layer=layer,
-                block_index=object_id,
-                token_start=segment.token_start(object_id),
-                token_count=segment.block_tokens,
-                codec=offer.codec,
-                data_length=data.nbytes,
-                data_digest=digest,
-            ).encode()
-            objects.append(EncodedObject(head, data, digest.hex()))
-        out[name] = objects
+            head = pack_header(
+                offer.component,
+                layer,
+                object_id,
+                first_token + object_id * block_tokens,
+                block_tokens,
+                offer.codec,
+                data,
+            )
+            heads.append(head)
+            digests.append(head[HEADER_LEN - DIGEST_LEN :].hex())  # the Data Digest field
+        out[name] = EncodedGroup(heads, datas, tuple(digests))
     return out
 
 

@@ -73,17 +73,26 @@ from kvcs_core.wire.names import Location
 _MISSING = (ObjState.WANTED, ObjState.GAP)
 _GAPS = (ObjState.GAP,)
 _WANTED = (ObjState.WANTED,)
+# looked up once (an enum member lookup costs more than a global): per-Object paths
+_GAP, _HELD, _READY = ObjState.GAP, ObjState.HELD, ObjState.READY
+_NORMAL = ObjectStatus.NORMAL
+_SUBSCRIPTION = ev.Delivery.SUBSCRIPTION
 
 
-def _listed_digest(manifest: Manifest, req: DataRequest, layer: int, oid: int) -> bytes | None:
-    """``manifest.digest_of`` for a request's own segment, without re-parsing the name."""
-    if req.segment >= len(manifest.segments):
-        return None
-    listed = manifest.segments[req.segment].object_digests
-    groups = None if listed is None else listed.get(req.track)
-    if groups is None or layer >= len(groups) or oid >= len(groups[layer]):
-        return None
-    return bytes.fromhex(groups[layer][oid])
+def _listed_group(
+    manifest: Manifest, req: DataRequest, layer: int
+) -> tuple[Manifest, int, tuple[str, ...] | None]:
+    """The digests ``manifest`` lists for Group ``layer`` of a request's own track (None if
+    none), looked up once per (manifest version, layer) and kept on the request
+    (``req.listed``): Objects arrive layer by layer."""
+    group = None
+    if req.segment < len(manifest.segments):
+        listed = manifest.segments[req.segment].object_digests
+        groups = None if listed is None else listed.get(req.track)
+        if groups is not None and layer < len(groups):
+            group = groups[layer]
+    req.listed = (manifest, layer, group)
+    return req.listed
 
 
 class RetrievalMixin(ConsumerCore):
@@ -245,14 +254,31 @@ class RetrievalMixin(ConsumerCore):
                 return slot
         return None
 
-    def _pin_ok(self, pub: Publication, first: int, end: int) -> bool:
-        """Profile 5.4: no two publications in one segment unless both are deterministic."""
-        for pf, pe, pid in self._pins:
+    def _pin_ok(self, pub: Publication, first: int, end: int, since: int = 0) -> bool:
+        """Profile 5.4: no two publications in one segment unless both are deterministic.
+
+        ``since``: only pins from that index on are checked (the earlier ones were).
+        """
+        pins = self._pins
+        for i in range(since, len(pins)):
+            pf, pe, pid = pins[i]
             if pid == pub.id or pe <= first or end <= pf:
                 continue
             other = self._pubs.get(pid)
             if other is None or not (pub.deterministic and other.deterministic):
                 return False
+        return True
+
+    def _req_pin_ok(self, req: DataRequest) -> bool:
+        """``_pin_ok`` for a request's segment, checking each pin once per request: pins are
+        only ever added, and whether two publications may mix never changes (both
+        manifests' ``deterministic`` is fixed across versions)."""
+        count = len(self._pins)
+        if req.pins_ok == count:
+            return True
+        if not self._pin_ok(req.pub, req.first, req.first + req.seg_blocks, req.pins_ok):
+            return False
+        req.pins_ok = count
         return True
 
     def _pin(self, pub: Publication, first: int, end: int) -> None:
@@ -428,9 +454,11 @@ class RetrievalMixin(ConsumerCore):
     def _on_data_object(
         self, slot: SessionSlot, req: DataRequest, event: ev.ObjectReceived, now: float
     ) -> None:
-        if event.delivery is not ev.Delivery.SUBSCRIPTION:
-            req.last_fetch_loc = event.location
-        if event.status is not ObjectStatus.NORMAL:
+        """The per-Object path: verify, copy once into place, update the table."""
+        loc = event.location
+        if event.delivery is not _SUBSCRIPTION:
+            req.last_fetch_loc = loc
+        if event.status is not _NORMAL:
             if event.status is ObjectStatus.END_OF_TRACK:
                 req.end_of_track = True  # profile 5.2: complete, once the fill is done too
                 if not req.fill_pending and req.active:
@@ -438,59 +466,52 @@ class RetrievalMixin(ConsumerCore):
                     self._reconcile(now)
             return
         table = self._table
-        layer, oid = event.location.group, event.location.object
+        layer, oid = loc.group, loc.object
         block = req.first + oid
+        state = None if table is None or oid >= req.n else table.state(req.ci, layer, block)
         if (
-            table is None
-            or oid >= req.n
-            or not table.needs(layer, block)
-            or table.get(req.ci, layer, block) not in _MISSING
-            or not self._pin_ok(req.pub, req.first, req.first + req.seg_blocks)
+            state not in _MISSING
+            or table is None  # (for the type checker: state is None without a table)
+            or not self._req_pin_ok(req)
         ):
             self.excess_objects += 1
             return
         manifest = req.pub.versions.latest
         assert manifest is not None
-        listed = _listed_digest(manifest, req, layer, oid)
+        cache = req.listed
+        if cache is None or cache[0] is not manifest or cache[1] != layer:
+            cache = _listed_group(manifest, req, layer)
+        group = cache[2]  # the Data Digests this version lists for the Group, if any
+        listed = None if group is None or oid >= len(group) else bytes.fromhex(group[oid])
+        block_tokens = self.block_tokens
+        data_length = self.data_length
         verdict = check_object(
             event.payload,
             layer=layer,
             object_id=oid,
             component=req.component,
             codec=self.codec_value,
-            block_tokens=self.descriptor.block_tokens,
-            token_start=block * self.descriptor.block_tokens,
+            block_tokens=block_tokens,
+            token_start=block * block_tokens,
             listed_digest=listed,
-            data_length=self.data_length,
+            data_length=data_length,
         )
         if isinstance(verdict, ObjectVerdict):
-            self._emit(
-                ObjectDiscarded(
-                    reason=verdict.reason,
-                    check=verdict.check,
-                    detail=verdict.detail,
-                    publication_id=req.pub.id,
-                    track=req.track,
-                    layer=layer,
-                    block=oid,
-                    session=slot.index,
-                )
-            )
-            self._fail_object(req, layer, block)
-            req.no_retry = True
-            self._tried.setdefault(req.key, set()).add(req.session)
-            if self._may_recover(req):
-                self._reconcile(now)
-            elif self._recovery_deadline is None:
-                self._recovery_deadline = now + self.recovery_time_bound
+            self._on_refused(slot, req, verdict, layer, oid, block, now)
             return
-        data = verdict.data
+        # verified: the one copy, straight from the payload into the destination
+        data, digest = verdict
         if self.destinations is not None:
-            offset = block * self.data_length
-            self._dest_view(layer, req.ci, table.blocks)[offset : offset + len(data)] = data
+            dest = self._dest_views.get((layer, req.ci))
+            if dest is None:
+                dest = self._dest_view(layer, req.ci, table.blocks)
+            offset = block * data_length
+            dest[offset : offset + data_length] = data
         else:
             self._views[(req.ci, layer, block)] = data
-        self._pin(req.pub, req.first, req.first + req.seg_blocks)
+        if not req.pinned:
+            self._pin(req.pub, req.first, req.first + req.seg_blocks)
+            req.pinned = True
         held = False
         if listed is None:
             seg = manifest.segments[req.segment]
@@ -498,20 +519,49 @@ class RetrievalMixin(ConsumerCore):
             held = self.config.hold_until_listed and not final
             if not final:
                 entries = self._unlisted.setdefault((req.pub.id, req.track, layer), {})
-                entries[oid] = (req.ci, block, verdict.header.data_digest, slot.index)
-        was_gap = table.get(req.ci, layer, block) is ObjState.GAP
-        if table.set(req.ci, layer, block, ObjState.HELD if held else ObjState.READY):
+                entries[oid] = (req.ci, block, digest, slot.index)
+        if table.set(req.ci, layer, block, _HELD if held else _READY):
             self._emit(LayerReady(layer=layer))
         req.progress += 1
         self._last_progress = now
-        if was_gap:
-            self._recovery_deadline = (
-                now + self.recovery_time_bound if table.count(ObjState.GAP) else None
-            )
+        if state is _GAP:
+            self._recovery_deadline = now + self.recovery_time_bound if table.count(_GAP) else None
         if (
             req.active
             and req.progress >= req.expected
             and table.missing_in(req.ci, req.layers, req.first, req.end) == 0
         ):
             self._end_request(req, now, cancel=True, forget=True)
-        self._check_done(now)
+        if not table.unsettled:
+            self._check_done(now)
+
+    def _on_refused(
+        self,
+        slot: SessionSlot,
+        req: DataRequest,
+        verdict: ObjectVerdict,
+        layer: int,
+        oid: int,
+        block: int,
+        now: float,
+    ) -> None:
+        """An Object failed verification: report it, never use it, it is missing."""
+        self._emit(
+            ObjectDiscarded(
+                reason=verdict.reason,
+                check=verdict.check,
+                detail=verdict.detail,
+                publication_id=req.pub.id,
+                track=req.track,
+                layer=layer,
+                block=oid,
+                session=slot.index,
+            )
+        )
+        self._fail_object(req, layer, block)
+        req.no_retry = True
+        self._tried.setdefault(req.key, set()).add(req.session)
+        if self._may_recover(req):
+            self._reconcile(now)
+        elif self._recovery_deadline is None:
+            self._recovery_deadline = now + self.recovery_time_bound

@@ -22,17 +22,27 @@ Pure functions; the consumer machine decides what to do with the verdicts.
    Anchor Key of discovery or by the KVSP index, not by this check;
 5. every needed segment offers the selected tracks (profile 3.2).
 
-*Object* (profile 3.5): :func:`kvcs_core.kvcs.payload.verify_object` with every
-context check the consumer can supply (component and codec of the track, Token
-Count from the descriptor, Token Start from the manifest's ``first_block``, the
-listed digest when the manifest lists it), then the Data Length the codec gives
-for the descriptor (binding 5 and 6).
+*Object* (profile 3.5): :func:`check_object` applies
+:func:`kvcs_core.kvcs.payload.verify_object` with every context check the
+consumer can supply (component and codec of the track, Token Count from the
+descriptor, Token Start from the manifest's ``first_block``, the listed digest
+when the manifest lists it), then the Data Length the codec gives for the
+descriptor (binding 5 and 6). Because every expected field is known, it first
+tries the per-Object fast path: one length comparison, one unpack of the
+header (Flags and Reserved skipped: ignored on receipt) compared field by field
+with the expected values, then SHA-256 over the Data view, compared with the
+header's Data Digest. It accepts exactly what the full check accepts; anything
+it does not accept goes through the full check, which names the first failing
+check (so a refused Object costs a second pass, an accepted one does not).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import struct
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 import attrs
 import cbor2
@@ -47,7 +57,14 @@ from kvcs_core.kvcs.cose import (
 )
 from kvcs_core.kvcs.manifest import Manifest, ManifestError, ManifestErrorReason, parse_manifest
 from kvcs_core.kvcs.names import Component, KvcsNamespace
-from kvcs_core.kvcs.payload import ObjectRejected, ObjectRejectReason, VerifiedObject, verify_object
+from kvcs_core.kvcs.payload import (
+    HEADER_LEN,
+    MAGIC,
+    VERSION,
+    ObjectRejected,
+    ObjectRejectReason,
+    verify_object,
+)
 from kvcs_core.kvsp.keys import block_keys_sha256
 
 _MAX_CBOR_DEPTH = 16
@@ -189,6 +206,11 @@ class ObjectVerdict:
     detail: str
 
 
+_EXPECTED: Final = struct.Struct(">IBB2xIIQIH2xI32s")
+"""The 68-octet header without Flags and Reserved (``payload._HEADER`` minus two fields);
+``_EXPECTED.size == HEADER_LEN`` (tests check it)."""
+
+
 def check_object(
     payload: memoryview,
     *,
@@ -200,8 +222,64 @@ def check_object(
     token_start: int,
     listed_digest: bytes | None,
     data_length: int,
-) -> VerifiedObject | ObjectVerdict:
-    """Every check of profile 3.5 plus the codec's Data Length; never raises on bad bytes."""
+) -> tuple[memoryview, bytes] | ObjectVerdict:
+    """Every check of profile 3.5 plus the codec's Data Length; never raises on bad bytes.
+
+    Returns:
+        ``(data, digest)`` when every check passed: ``data`` is the Data as a
+        zero-copy view of ``payload`` and ``digest`` the Data Digest (SHA-256
+        of ``data``); else the verdict of the first failing check.
+    """
+    if (
+        len(payload) == HEADER_LEN + data_length
+        and payload.format == "B"
+        and payload.ndim == 1
+        and payload.c_contiguous
+    ):
+        magic, version, comp, lay, block, start, count, cdc, length, digest = _EXPECTED.unpack_from(
+            payload
+        )
+        if (
+            magic == MAGIC
+            and version == VERSION
+            and comp == component
+            and lay == layer
+            and block == object_id
+            and start == token_start
+            and count == block_tokens
+            and cdc == codec
+            and length == data_length
+            and (listed_digest is None or digest == listed_digest)
+        ):
+            data = payload[HEADER_LEN:]
+            if hashlib.sha256(data).digest() == digest:
+                return data, digest
+    return _full_check(
+        payload,
+        layer=layer,
+        object_id=object_id,
+        component=component,
+        codec=codec,
+        block_tokens=block_tokens,
+        token_start=token_start,
+        listed_digest=listed_digest,
+        data_length=data_length,
+    )
+
+
+def _full_check(
+    payload: memoryview,
+    *,
+    layer: int,
+    object_id: int,
+    component: Component,
+    codec: int,
+    block_tokens: int,
+    token_start: int,
+    listed_digest: bytes | None,
+    data_length: int,
+) -> tuple[memoryview, bytes] | ObjectVerdict:
+    """:func:`check_object` the long way: every check in order, the first failure named."""
     result = verify_object(
         payload,
         group_id=layer,
@@ -220,4 +298,4 @@ def check_object(
             None,
             f"Data is {len(result.data)} octets; the codec gives {data_length}",
         )
-    return result
+    return result.data, result.header.data_digest

@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcs_core.kvcs._consumer_core import (
+    AnyRequest,
     DataRequest,
     ManifestRequest,
     NamespaceRequest,
@@ -90,6 +91,9 @@ from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.wire.names import TrackNamespace
+
+_OBJECT_RECEIVED = ev.ObjectReceived
+_DONE = Phase.DONE
 
 __all__ = [
     "ConsumerConfig",
@@ -314,6 +318,16 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
         if slot is None or slot.session is not session:
             return False
         self._advance(now)
+        if type(event) is _OBJECT_RECEIVED:  # the per-Object path: straight to its request
+            req = self._reqs.get((slot.index, event.request_id))
+            if req is None:
+                return False
+            if self._phase is not _DONE:
+                if type(req) is DataRequest:
+                    self._on_data_object(slot, req, event, now)
+                else:
+                    self._on_request_event(slot, req, event, now)
+            return True
         if isinstance(event, ev.SetupCompleted):
             if self._phase is not Phase.DONE:
                 self._on_session_ready(slot, now)
@@ -332,13 +346,18 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
             return False
         if self._phase is Phase.DONE:
             return True
+        self._on_request_event(slot, req, event, now)
+        return True
+
+    def _on_request_event(
+        self, slot: SessionSlot, req: AnyRequest, event: ev.SessionEvent, now: float
+    ) -> None:
         if isinstance(req, NamespaceRequest):
             self._on_namespace_event(slot, req, event, now)
         elif isinstance(req, ManifestRequest):
             self._on_manifest_event(slot, req, event, now)
         else:
             self._on_data_event(slot, req, event, now)
-        return True
 
     def handle_timer(self, now: float) -> None:
         """Fire every deadline due at ``now``; early or repeated calls do nothing."""

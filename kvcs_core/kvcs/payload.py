@@ -24,6 +24,8 @@ All integers are big-endian (network order, as drawn).
 *Sending* is scatter/gather: :func:`build_payload_parts` returns the 68 header
 octets and a ``memoryview`` of the caller's Data, computing the digest over the
 view; the two are written one after the other and never concatenated.
+:func:`pack_header` is its per-Object step alone, for a sender that has
+checked the field types once (the publisher, per layer).
 
 *Receiving*: :func:`verify_object` performs every End Subscriber check that
 profile 3.5 requires (MUST): Magic and Version as specified; Layer equals the
@@ -179,10 +181,31 @@ def build_payload_parts(
     fields = (layer, block_index, token_start, token_count, codec)
     if any(type(f) is not int for f in fields):  # bool and float are not header fields
         raise PayloadEncodeError(f"header fields must be ints, got {fields!r}")
+    header = pack_header(component, layer, block_index, token_start, token_count, codec, view)
+    return header, view
+
+
+def pack_header(
+    component: int,
+    layer: int,
+    block_index: int,
+    token_start: int,
+    token_count: int,
+    codec: int,
+    data: memoryview,
+) -> bytes:
+    """The 68 header octets of the Object whose Data is ``data`` (a byte view).
+
+    The per-Object step of a sender that has already checked the field types:
+    Data Length and the SHA-256 Data Digest come from ``data`` (hashed in place),
+    Flags and Reserved are zero, and no header object is built. The fixed-width
+    pack is the range check.
+
+    Raises:
+        PayloadEncodeError: a field that does not fit its slot.
+    """
     try:
-        # the fixed-width pack is the range check (struct.error for a field that does
-        # not fit its slot); no header object is built on this per-Object path
-        header = _HEADER.pack(
+        return _HEADER.pack(
             MAGIC,
             VERSION,
             component,
@@ -193,12 +216,11 @@ def build_payload_parts(
             token_count,
             codec,
             0,
-            len(view),
-            hashlib.sha256(view).digest(),
+            len(data),
+            hashlib.sha256(data).digest(),
         )
     except struct.error as e:
         raise PayloadEncodeError(f"a header field is out of range: {e}") from None
-    return header, view
 
 
 # --- receiving ----------------------------------------------------------------

@@ -28,7 +28,10 @@ and V sections of every full block of a segment for one layer, in layer order
 0..L-1 (:class:`LayerOrderError` otherwise; a failing call publishes nothing).
 In every data track, Group ``g`` = layer ``g`` holds Objects 0..n-1 (block index
 within the segment) in Subgroup 0, in ascending order, with Publisher Priority
-``floor(128 * g / L)``, followed by an End of Group Object at Object ID ``n``.
+``floor(128 * g / L)``, followed by an End of Group Object at Object ID ``n``;
+each track's Group is stored in one step (``TrackStore.append_group``, checked
+once per Group). Sessions send after the call, in their scheduler's order, so
+storing track by track rather than block by block changes nothing on the wire.
 After Group L-1 comes the End of Track Object. Where it goes is not said by
 the profile: Object ``n`` of Group L-1 already holds the End of Group, and
 nothing may follow it in that Group (MOQT: an Object beyond End of Group makes
@@ -37,10 +40,11 @@ priority of layer L-1. Group ``L`` holds no layer: nothing in it is an Object
 that exists, and a FETCH of the last layers reports End Of Track.
 
 *Manifest* (profile 3.6). Version ``m`` is Object 0 of Group ``m`` with
-Publisher Priority 0, followed by End of Group (Object 1) so that the version
-is known final at once. Versions are published when a segment is added (the
-first at construction), every ``manifest_interval`` (<= 8) completed layers,
-and when a segment becomes complete. Every segment lists ``object_digests``:
+Publisher Priority 0 (and nothing else: :meth:`KvcsPublisher.finish` puts End
+of Track right after the last version, as Object 1 of its Group). Versions are
+published when a segment is added (the first at construction), every
+``manifest_interval`` (<= 8) completed layers, and when a segment becomes
+complete. Every segment lists ``object_digests``:
 per track, one list per completed Group, digests in Object order (67 octets
 per Object and track, in every version: ``list_digests=False`` leaves them out
 for caches whose manifest would outgrow a consumer's limit). The JSON is
@@ -428,15 +432,10 @@ class KvcsPublisher:
         encoded = encode_layer(self._descriptor, seg, layer, k_blocks, v_blocks)
         priority = layer_priority(layer, seg.layers)
         stores = [(self._stores[name.encode("ascii")], encoded[name]) for name in seg.track_names]
-        # block by block across the tracks, so that K and V of a block travel together
-        for object_id in range(seg.blocks):
-            for store, objects in stores:
-                obj = objects[object_id]
-                store.append(layer, object_id, obj.data, obj.head, publisher_priority=priority)
-        for store, _ in stores:
-            store.append(
-                layer, seg.blocks, status=ObjectStatus.END_OF_GROUP, publisher_priority=priority
-            )
+        # one Group per track in one step (checked once per Group); sessions send after the
+        # call, in their scheduler's order (not in the order the stores were filled)
+        for store, group in stores:
+            store.append_group(layer, group.datas, group.heads, publisher_priority=priority)
         seg.record_layer(layer, encoded)
         self._layers_since_manifest += 1
         if seg.complete:

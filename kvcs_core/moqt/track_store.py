@@ -36,6 +36,14 @@ Caching rules (d21 section 7.1, wire reference 10 and 7.10):
   :meth:`TrackStore.observe_largest`; the session then waits for that object
   before ending a fill at it.
 
+Bulk path: :meth:`TrackStore.append_group` stores a whole new group at once
+(an original publisher that produces one group per step): Objects ``0..n-1`` of
+subgroup 0 with one priority, then optionally its End of Group. It validates
+once per group, before anything is stored (so a failing call stores nothing),
+then stores and announces the objects one at a time exactly as the matching
+sequence of :meth:`TrackStore.append` calls would (same objects, same sequence
+numbers, same listener calls in the same order).
+
 Listeners and re-entrancy: :meth:`TrackStore.append` stores the object, then
 calls every listener synchronously, in registration order (a session enqueues
 the object for its live subscriptions). A listener must not append to the same
@@ -54,7 +62,7 @@ behind it is not, and an evicted one is skipped.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
 import attrs
@@ -173,6 +181,38 @@ class StoredObject:
     def payload_bytes(self) -> bytes:
         """The whole object payload as one bytes object (a copy: tests and rare paths)."""
         return self.head + bytes(self.payload)
+
+
+def _normal_object_builder() -> Callable[[Location, int, memoryview, int, bytes], StoredObject]:
+    new = object.__new__
+    names: tuple[str, ...] = ("location", "subgroup_id", "publisher_priority", "status")
+    names += ("properties", "payload", "datagram", "seq", "head")
+    (loc, sg, prio, status, props, payload, dgram, seq, head) = (
+        getattr(StoredObject, name).__set__ for name in names
+    )
+    normal = ObjectStatus.NORMAL
+
+    def build(
+        location: Location, priority: int, view: memoryview, number: int, octets: bytes
+    ) -> StoredObject:
+        obj: StoredObject = new(StoredObject)
+        loc(obj, location)
+        sg(obj, 0)
+        prio(obj, priority)
+        status(obj, normal)
+        props(obj, ())
+        payload(obj, view)
+        dgram(obj, False)
+        seq(obj, number)
+        head(obj, octets)
+        return obj
+
+    return build
+
+
+_normal_object: Final = _normal_object_builder()
+"""``StoredObject(location, 0, priority, NORMAL, (), payload, False, seq, head)`` for values
+``append_group`` has checked: the slots are filled directly (the per-Object path)."""
 
 
 @attrs.frozen
@@ -386,6 +426,14 @@ class TrackStore:
 
     def _notify(self, obj: StoredObject) -> None:
         errors: list[Exception] = []
+        self._notify_into(obj, errors)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ExceptionGroup("track store listeners failed", errors)
+
+    def _notify_into(self, obj: StoredObject, errors: list[Exception]) -> None:
+        """Call every listener with ``obj``; what they raise is appended to ``errors``."""
         self._notifying = True
         try:
             for lid, cb in tuple(self._listeners.items()):
@@ -397,10 +445,6 @@ class TrackStore:
                     errors.append(e)
         finally:
             self._notifying = False
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise ExceptionGroup("track store listeners failed", errors)
 
     # --- commands ---------------------------------------------------------------
 
@@ -514,6 +558,136 @@ class TrackStore:
             self._largest = loc
         self._notify(obj)
         return obj
+
+    def append_group(
+        self,
+        group_id: int,
+        payloads: Sequence[bytes | bytearray | memoryview],
+        heads: Sequence[bytes] | None = None,
+        *,
+        publisher_priority: int | None = None,
+        end_of_group: bool = True,
+    ) -> tuple[StoredObject, ...]:
+        """Store a whole new group: Objects ``0..n-1`` in subgroup 0, then End of Group.
+
+        The trusted bulk path of an original publisher (module docstring): the
+        same as ``append(group_id, i, payloads[i], heads[i],
+        publisher_priority=publisher_priority)`` for every ``i`` in order, then
+        ``append(group_id, n, status=END_OF_GROUP, ...)`` when ``end_of_group``,
+        except that every check runs once, before anything is stored, and that
+        listener errors are re-raised after the last object (each object is
+        stored and announced to every listener even if one raised; the first
+        exception, or an ``ExceptionGroup`` of all of them, is re-raised).
+
+        Args:
+            group_id: a Group ID that holds no stored object.
+            payloads: the Object payloads in Object ID order, held by reference.
+            heads: per Object, the octets that precede its payload (see
+                :attr:`StoredObject.head`); ``None`` = none.
+            publisher_priority: one priority for the whole group (subgroup 0);
+                ``None`` = the track's default.
+            end_of_group: also store End of Group at Object ID ``n``.
+
+        Returns:
+            The stored objects, End of Group included.
+
+        Raises:
+            ValueError: an invalid Group ID or priority, a payload that is not a
+                C-contiguous buffer, a head that is not bytes, ``heads`` of
+                another length, or a group that already holds objects (append
+                to it one object at a time).
+            BeyondEnd: the group reaches beyond End of Track.
+            RuntimeError: called from inside a listener of this store.
+        """
+        if self._notifying:
+            raise RuntimeError("a TrackStore listener must not append to the store")
+        n = len(payloads)
+        if heads is not None and len(heads) != n:
+            raise ValueError(f"{len(heads)} heads for {n} payloads")
+        last = n if end_of_group else n - 1
+        if last < 0:
+            return ()
+        last_loc = Location(group_id, last)  # validates the Group ID (and n) once
+        if group_id in self._groups:
+            raise ValueError(f"group {group_id} already holds objects: append them one by one")
+        eot = self._end_of_track
+        if eot is not None and last_loc > eot:
+            raise BeyondEnd(last_loc, f"object after End of Track at {eot}")
+        prio = _check_priority(
+            self.default_publisher_priority if publisher_priority is None else publisher_priority,
+            "publisher_priority",
+        )
+        views: list[memoryview] = []
+        for p in payloads:
+            if type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.c_contiguous:
+                views.append(p)
+            else:
+                views.append(as_payload_view(p))
+        if heads is None:
+            head_list: Sequence[bytes] = (b"",) * n
+        else:
+            for h in heads:
+                if type(h) is not bytes:
+                    raise ValueError(f"a head must be bytes, not {type(h).__name__}")
+            head_list = heads
+
+        # every check passed: store and announce one object at a time, like append()
+        groups, listeners = self._groups, self._listeners
+        grp = self._new_group(group_id, prio, 0)
+        largest = self._largest
+        # every Location of this group is beyond a Largest Object in an earlier group
+        beyond = largest is None or largest.group < group_id
+        errors: list[Exception] = []
+        out: list[StoredObject] = []
+        trusted = Location.trusted
+        for oid in range(n):
+            if listeners and groups.get(group_id) is not grp:
+                grp = self._new_group(group_id, prio, oid)  # a listener evicted the group
+            view, head = views[oid], head_list[oid]
+            loc = trusted(group_id, oid)
+            obj = _normal_object(loc, prio, view, self._next_seq, head)
+            self._next_seq += 1
+            grp.ids.append(oid)
+            grp.objects[oid] = obj
+            self._count += 1
+            self._total_bytes += len(head) + view.nbytes
+            if beyond or loc > self._largest:  # type: ignore[operator]
+                self._largest = loc
+            out.append(obj)
+            if listeners:
+                self._notify_into(obj, errors)
+        if end_of_group:
+            if listeners and groups.get(group_id) is not grp:
+                grp = self._new_group(group_id, prio, n)
+            obj = StoredObject(
+                last_loc, 0, prio, ObjectStatus.END_OF_GROUP, (), _EMPTY, False, self._next_seq
+            )
+            self._next_seq += 1
+            grp.ids.append(n)
+            grp.objects[n] = obj
+            grp.end = n
+            self._count += 1
+            if self._largest is None or last_loc > self._largest:
+                self._largest = last_loc
+            out.append(obj)
+            if self._listeners:
+                self._notify_into(obj, errors)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ExceptionGroup("track store listeners failed", errors)
+        return tuple(out)
+
+    def _new_group(self, group_id: int, priority: int, first: int) -> _Group:
+        """An empty group for ``append_group``, subgroup 0 set up as its first append would."""
+        grp = self._groups[group_id] = _Group()
+        if not self._group_ids or group_id > self._group_ids[-1]:
+            self._group_ids.append(group_id)
+        else:
+            bisect.insort(self._group_ids, group_id)
+        grp.subgroup_priority[0] = priority
+        grp.subgroup_first[0] = first
+        return grp
 
     def _reappend(self, grp: _Group, existing: StoredObject, cand: StoredObject) -> StoredObject:
         loc = existing.location
