@@ -168,7 +168,7 @@ def find_vectors(explicit: Path | None = None) -> tuple[Path | None, list[Path]]
     env = os.environ.get(SHARED_ENV)
     if env:
         candidates += [Path(env) / "spec" / VECTOR_FILE, Path(env) / VECTOR_FILE]
-    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "spec" / VECTOR_FILE)
+    candidates.append(Path(__file__).resolve().parents[3] / "shared" / "spec" / VECTOR_FILE)
     for c in candidates:
         if c.is_file():
             return c, candidates
