@@ -20,8 +20,11 @@ Every problem with a file is a :class:`CacheFileError` with a one-line message.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import struct
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,8 @@ class CacheFile:
                 raise CacheFileError(f"{name} has dtype {arr.dtype}, {cd.dtype} needs {dtype}")
         if len(self.tokens) < cd.block_tokens:
             raise CacheFileError(f"{len(self.tokens)} tokens hold no full block")
+        if any(not 0 <= t < 1 << 32 for t in self.tokens):
+            raise CacheFileError("token IDs must be u32")
 
 
 def load(path: str | Path) -> CacheFile:
@@ -85,14 +90,33 @@ def load(path: str | Path) -> CacheFile:
     if not path.is_file():
         raise CacheFileError(f"no such file: {path}")
     try:
-        if path.suffix == ".safetensors":
-            cache = _load_safetensors(path)
-        else:
-            cache = _load_npz(path)
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CacheFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return loads(raw, safetensors=path.suffix == ".safetensors", name=str(path))
+
+
+def loads(raw: bytes, *, safetensors: bool, name: str = "<bytes>") -> CacheFile:
+    """Parse a cache file's bytes; every defect is a :class:`CacheFileError`."""
+    try:
+        cache = _parse_safetensors(raw, name) if safetensors else _parse_npz(raw, name)
     except CacheFileError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise CacheFileError(f"cannot read {path}: {exc}") from None
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        EOFError,
+        zipfile.BadZipFile,
+        struct.error,
+        UnicodeDecodeError,
+        RecursionError,
+    ) as exc:
+        raise CacheFileError(f"cannot read {name}: {type(exc).__name__}: {exc}"[:300]) from None
     cache.check()
     return cache
 
@@ -115,37 +139,68 @@ def save(path: str | Path, cache: CacheFile) -> None:
         raise CacheFileError(f"cannot write {path}: {exc}") from None
 
 
-def _load_npz(path: Path) -> CacheFile:
-    with np.load(path, allow_pickle=False) as z:
+def _parse_npz(raw: bytes, name: str) -> CacheFile:
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         missing = {"k", "v", "tokens", "descriptor"} - set(z.files)
         if missing:
-            raise CacheFileError(f"{path}: missing arrays {sorted(missing)}")
+            raise CacheFileError(f"{name}: missing arrays {sorted(missing)}")
         descriptor = json.loads(bytes(z["descriptor"]).decode())
-        return CacheFile(descriptor, tuple(int(t) for t in z["tokens"]), z["k"], z["v"])
+        tokens = z["tokens"]
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+            raise CacheFileError(f"{name}: tokens must be a 1-D integer array")
+        return CacheFile(
+            _descriptor(descriptor, name), tuple(int(t) for t in tokens), z["k"], z["v"]
+        )
 
 
-def _load_safetensors(path: Path) -> CacheFile:
-    raw = path.read_bytes()
+def _descriptor(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CacheFileError(f"{name}: the descriptor is not a JSON object")
+    try:
+        CompatibilityDescriptor(dict(value))
+    except (ValueError, TypeError) as exc:
+        raise CacheFileError(f"{name}: bad descriptor: {exc}") from None
+    return value
+
+
+def _parse_safetensors(raw: bytes, name: str) -> CacheFile:
     if len(raw) < 8:
-        raise CacheFileError(f"{path}: too short for safetensors")
+        raise CacheFileError(f"{name}: too short for safetensors")
     (n,) = struct.unpack_from("<Q", raw)
     if n > _MAX_HEADER or 8 + n > len(raw):
-        raise CacheFileError(f"{path}: bad safetensors header length {n}")
+        raise CacheFileError(f"{name}: bad safetensors header length {n}")
     header = json.loads(raw[8 : 8 + n])
+    if not isinstance(header, dict):
+        raise CacheFileError(f"{name}: the safetensors header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
-    if "kvcs_descriptor" not in meta:
-        raise CacheFileError(f"{path}: no kvcs_descriptor in the safetensors metadata")
-    descriptor = json.loads(meta["kvcs_descriptor"])
+    if not isinstance(meta, dict) or not isinstance(meta.get("kvcs_descriptor"), str):
+        raise CacheFileError(f"{name}: no kvcs_descriptor in the safetensors metadata")
+    descriptor = _descriptor(json.loads(meta["kvcs_descriptor"]), name)
     data = memoryview(raw)[8 + n :]
     arrays: dict[str, np.ndarray[Any, Any]] = {}
-    for name in ("k", "v", "tokens"):
-        info = header.get(name)
-        if not isinstance(info, Mapping):
-            raise CacheFileError(f"{path}: no tensor {name!r}")
-        start, end = info["data_offsets"]
-        dtype = np.dtype("<u4") if name == "tokens" else engine_dtype(descriptor["dtype"])
-        arr = np.frombuffer(data[start:end], dtype=dtype)
-        arrays[name] = arr.reshape(tuple(info["shape"]))
+    for key in ("k", "v", "tokens"):
+        info = header.get(key)
+        if not isinstance(info, dict):
+            raise CacheFileError(f"{name}: no tensor {key!r}")
+        offsets, shape = info.get("data_offsets"), info.get("shape")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= len(data)
+        ):
+            raise CacheFileError(f"{name}: bad data_offsets of {key!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CacheFileError(f"{name}: bad shape of {key!r}")
+        dtype = np.dtype("<u4") if key == "tokens" else engine_dtype(descriptor["dtype"])
+        if math.prod(shape) * dtype.itemsize != offsets[1] - offsets[0]:
+            raise CacheFileError(
+                f"{name}: {key!r} has {offsets[1] - offsets[0]} octets, "
+                f"shape {shape} needs {math.prod(shape) * dtype.itemsize}"
+            )
+        arrays[key] = np.frombuffer(data[offsets[0] : offsets[1]], dtype=dtype).reshape(shape)
+    if arrays["tokens"].ndim != 1:
+        raise CacheFileError(f"{name}: tokens must be 1-D")
     tokens = tuple(int(t) for t in arrays["tokens"])
     return CacheFile(descriptor, tokens, arrays["k"], arrays["v"])
 

@@ -34,6 +34,7 @@ HARNESSES = (
     "kvcs_payload",
     "kvcs_names",
     "kvcs_manifest",
+    "cachefile",
 )
 
 _EXECS = re.compile(r"stat::number_of_executed_units:\s*(\d+)")

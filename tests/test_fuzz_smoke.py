@@ -38,6 +38,7 @@ NAMES = (
     "kvcs_payload",
     "kvcs_names",
     "kvcs_manifest",
+    "cachefile",
 )
 
 if str(FUZZ_DIR) not in sys.path:
