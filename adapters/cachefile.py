@@ -24,7 +24,6 @@ import io
 import json
 import math
 import struct
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -99,24 +98,29 @@ def load(path: str | Path) -> CacheFile:
 def loads(raw: bytes, *, safetensors: bool, name: str = "<bytes>") -> CacheFile:
     """Parse a cache file's bytes; every defect is a :class:`CacheFileError`."""
     try:
-        cache = _parse_safetensors(raw, name) if safetensors else _parse_npz(raw, name)
+        if safetensors:
+            cache = _parse_safetensors(raw, name)
+        else:
+            try:
+                cache = _parse_npz(raw, name)
+            except CacheFileError:
+                raise
+            except Exception as exc:
+                raise CacheFileError(
+                    f"cannot read {name}: {type(exc).__name__}: {exc}"[:300]
+                ) from None
     except CacheFileError:
         raise
     except (
-        OSError,
         ValueError,
         KeyError,
         TypeError,
         IndexError,
-        AttributeError,
         OverflowError,
-        EOFError,
-        zipfile.BadZipFile,
         struct.error,
-        UnicodeDecodeError,
         RecursionError,
     ) as exc:
-        raise CacheFileError(f"cannot read {name}: {type(exc).__name__}: {exc}"[:300]) from None
+        raise _unreadable(name, exc) from None
     cache.check()
     return cache
 
@@ -137,6 +141,10 @@ def save(path: str | Path, cache: CacheFile) -> None:
             )
     except OSError as exc:
         raise CacheFileError(f"cannot write {path}: {exc}") from None
+
+
+def _unreadable(name: str, exc: BaseException) -> CacheFileError:
+    return CacheFileError(f"cannot read {name}: {type(exc).__name__}: {exc}"[:300])
 
 
 def _parse_npz(raw: bytes, name: str) -> CacheFile:
