@@ -285,6 +285,7 @@ class FetchStreamWriter:
             and 0 <= payload_length <= MAX_VI64
         ):
             self._o = object_id
+            self._sub = subgroup_id  # mode 0 makes 0 the prior Subgroup ID too
             return (_FLAG_SAME_SUB if subgroup_id else _FLAG_ZERO_SUB) + encode_vi64(payload_length)
         check_bool(datagram, "datagram")
         check_priority(publisher_priority)
