@@ -20,6 +20,7 @@ from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import TrackStore
+from kvcs_core.moqt.transport_io import AbortKind, AbortStream, StreamRef
 from kvcs_core.relay import Relay, RelayConfig
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import ObjectStatus, PublishDoneCode, RequestErrorCode
@@ -55,10 +56,22 @@ class Publisher:
         self.namespaces: list[TrackNamespace] = []
         self.served: dict[int, FullTrackName] = {}
         self.requests: list[Any] = []
+        self.tracks_subs: dict[int, TrackNamespace] = {}
+        """SUBSCRIBE_TRACKS accepted: every matching store is PUBLISHed on it."""
+        self.net: Network | None = None
 
     def serve(self, store: TrackStore) -> TrackStore:
         self.stores[store.name] = store
+        for prefix in self.tracks_subs.values():
+            if prefix.is_prefix_of(store.name.namespace):
+                self._publish(store)
         return store
+
+    def _publish(self, store: TrackStore) -> None:
+        assert self.net is not None
+        rid = self.session.publish(store, now=self.net.now)
+        self.served[rid] = store.name
+        self.net.poke(self.session)
 
     def end_track(self, store: TrackStore, now: float) -> None:
         """End of Track after the last group, then PUBLISH_DONE TRACK_ENDED everywhere."""
@@ -94,6 +107,13 @@ class Publisher:
             for ns in self.namespaces:
                 if e.prefix.is_prefix_of(ns):
                     s.send_namespace(e.request_id, ns.suffix_after(e.prefix), now=now)
+        elif isinstance(e, ev.SubscribeTracksRequested):
+            self.requests.append(e)
+            s.accept_request(e.request_id, now=now)
+            self.tracks_subs[e.request_id] = e.prefix
+            for store in self.stores.values():
+                if e.prefix.is_prefix_of(store.name.namespace):
+                    self._publish(store)
 
 
 class Subscriber:
@@ -113,6 +133,23 @@ class Subscriber:
         )
         self.rn.net.poke(self.session)
         return rid
+
+    def subscribe_tracks(self, prefix: TrackNamespace, *, fill: bool = True) -> int:
+        """SUBSCRIBE_TRACKS; with ``fill`` it asks each PUBLISH for the whole track up to
+        the Largest Object it announces (A10), so every object arrives once."""
+        extra = [p.FillParameters(p.Parameters.of(p.LocationFilter.absolute_start(0, 0)))]
+        rid = self.session.subscribe_tracks(prefix, now=self.rn.now, extra=extra if fill else ())
+        self.rn.net.poke(self.session)
+        return rid
+
+    def accept_publishes(self) -> None:
+        """Answer every PUBLISH this subscriber gets with PUBLISH_OK (an on_event handler)."""
+
+        def accept(e: Any, now: float) -> None:
+            if isinstance(e, ev.PublishRequested):
+                self.session.accept_publish(e.request_id, now=now)
+
+        self.rn.handlers[self.session] = accept
 
     def fetch(self, name: FullTrackName, lf: p.LocationFilter | None = None) -> int:
         rid = self.session.fetch(name, now=self.rn.now, location_filter=lf)
@@ -226,6 +263,7 @@ class RelayNet:
         self.owner[up] = relay
         relay.add_session(up, upstream=True)
         publisher = Publisher(pub)
+        publisher.net = self.net
         publisher.namespaces = list(namespaces)
         self.publishers[pub] = publisher
         self._connect(up, pub, f"pub{len(self.publishers)}")
@@ -269,6 +307,12 @@ class RelayNet:
         s = Subscriber(self, sub)
         self.subscribers.append(s)
         return s
+
+    def stop_sending(self, session: MoqtSession, stream: StreamRef, code: int) -> None:
+        """``session``'s transport sends STOP_SENDING on ``stream`` (a data stream it
+        receives), as an application abandoning that stream would have it do."""
+        ep = self.endpoint(session)
+        ep.link._apply(ep, AbortStream(stream=stream, kind=AbortKind.STOP_SENDING, code=code))
 
     def cut(self, session: MoqtSession) -> None:
         """Sever the link ``session`` sits on (both ends get TransportClosed)."""

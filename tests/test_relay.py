@@ -25,7 +25,14 @@ from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.relay import Relay, RelayConfig
 from kvcs_core.wire import params as p
-from kvcs_core.wire.codes import ObjectStatus, PublishDoneCode, RequestErrorCode
+from kvcs_core.wire.codes import (
+    ObjectStatus,
+    PropertyType,
+    PublishDoneCode,
+    RequestErrorCode,
+    StreamResetCode,
+)
+from kvcs_core.wire.kvp import KeyValuePair
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 from transports.loopback import Chunking
 
@@ -665,3 +672,494 @@ def test_track_state_is_bounded() -> None:
     late = s.subscribe_all(track("c"))  # every known track is busy now
     rn.run_until(lambda: s.failed(late) is not None)
     assert s.failed(late).code == RequestErrorCode.EXCESSIVE_LOAD
+
+
+# --- REQUEST_UPDATE propagation (wire reference 10, 4.5, 5.8, 5.9) ---------------------------
+
+
+def _updates(rn: RelayNet, pub: Any) -> list[ev.RequestUpdated]:
+    return [e for e in rn.net.events(pub.session) if isinstance(e, ev.RequestUpdated)]
+
+
+def _subscribe(s: Subscriber, name: FullTrackName, *, forward: bool, fill: bool = False) -> int:
+    rid = s.session.subscribe(
+        name,
+        now=s.rn.now,
+        location_filter=p.LocationFilter.next_object(),
+        fill=p.Parameters.of(p.LocationFilter.absolute_start(0, 0)) if fill else None,
+        forward=forward,
+    )
+    s.rn.net.poke(s.session)
+    return rid
+
+
+def _update(s: Subscriber, rid: int, *params: p.Parameter) -> int:
+    uid = s.session.request_update(rid, p.Parameters.of(*params), now=s.rn.now)
+    s.rn.net.poke(s.session)
+    return uid
+
+
+def test_upstream_forward_follows_the_downstream_forward_state() -> None:
+    """Upstream Forward is 1 iff a downstream subscription forwards; resuming refills the
+    cache, and every subscriber still gets every object exactly once."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("fw")))
+    produce(store, 0, 3)
+    produce(store, 1, 3)
+    a = rn.add_subscriber(relay)
+    ra = _subscribe(a, store.name, forward=False)
+    rn.run_until(lambda: a.accepted(ra))
+    # a Forward 0 subscriber is answered at once, with the upstream's Largest Object
+    assert a.events(ev.SubscribeAccepted)[0].largest == Location(1, 3)
+    (up,) = [e for e in pub.requests if isinstance(e, ev.SubscribeRequested)]
+    assert up.params.get(p.Forward) == p.Forward(0)  # nobody forwards: neither does the relay
+    produce(store, 2, 3)
+    rn.settle(0.05)
+    assert relay.upstream_bytes_received == 0
+    assert a.objects(ra) == []
+    # the subscriber starts forwarding with a fill: the relay resumes upstream with a fill
+    uid = _update(
+        a,
+        ra,
+        p.Forward(1),
+        p.FillParameters(p.Parameters.of(p.LocationFilter.absolute_start(0, 0))),
+    )
+    rn.settle(0.05)
+    (resume,) = _updates(rn, pub)
+    assert resume.params.get(p.Forward) == p.Forward(1)
+    inner = resume.params.get(p.FillParameters).params.get(p.LocationFilter)
+    assert inner.start == Location(0, 0)
+    produce(store, 3, 3)
+    rn.settle(0.05)
+    assert a.normal(ra) == expected(4, 3)  # exactly once, fill + late fill + live
+    vias = {e.via_request_id for e in a.objects(ra) if e.delivery is ev.Delivery.FILL}
+    assert vias <= {uid}
+    # a second subscriber joins; then nobody forwards any more: the relay pauses upstream
+    b = rn.add_subscriber(relay)
+    rb = b.subscribe_all(store.name)
+    rn.run_until(lambda: b.accepted(rb))
+    _update(a, ra, p.Forward(0))
+    b.session.cancel(rb, now=rn.now)
+    rn.net.poke(b.session)
+    rn.settle(0.05)
+    assert [u.params.get(p.Forward) for u in _updates(rn, pub)] == [p.Forward(1), p.Forward(0)]
+    received = relay.upstream_bytes_received
+    produce(store, 4, 3)
+    rn.settle(0.05)
+    assert relay.upstream_bytes_received == received  # paused
+    assert relay.track_stats(store.name).downstream_subscriptions == 1
+    # a late joiner that forwards resumes it; it waits for the cache to be whole again
+    c = rn.add_subscriber(relay)
+    rc = c.subscribe_all(store.name)
+    rn.run_until(lambda: c.accepted(rc))
+    third = _updates(rn, pub)[2]
+    assert third.params.get(p.Forward) == p.Forward(1)
+    assert third.params.get(p.FillParameters).params.get(p.LocationFilter).start == Location(3, 0)
+    produce(store, 5, 3)
+    pub.end_track(store, rn.now)
+    rn.run_until(lambda: c.done(rc) is not None)
+    assert c.normal(rc) == expected(6, 3)
+    assert c.done(rc).status == PublishDoneCode.TRACK_ENDED
+    assert a.normal(ra) == expected(4, 3)  # paused: nothing more reached it
+    stats = relay.track_stats(store.name)
+    assert stats is not None and stats.complete
+
+
+def test_downstream_fill_update_refetches_evicted_groups() -> None:
+    """An RU whose fill needs objects the cache evicted: the relay FETCHes them upstream
+    and the subscriber gets them fill-delivered (A27), each object once."""
+    rn, relay, pub, store, s, rid = one_track(
+        8, 4, end=False, config=RelayConfig(cache_budget_bytes=3000)
+    )
+    assert relay.stats().evicted_bytes > 0
+    late = rn.add_subscriber(relay)
+    r2 = _subscribe(late, store.name, forward=True)
+    rn.run_until(lambda: late.accepted(r2))
+    produce(store, 8, 4)
+    rn.settle(0.05)
+    assert sorted(late.normal(r2)) == [Location(8, o) for o in range(4)]
+    assert not any(isinstance(e, ev.FetchRequested) for e in pub.requests)
+    # the part before its live start (Largest was {7,4}, End of Group) as a fill
+    fill = p.Parameters.of(p.LocationFilter.absolute_range(0, 0, 7, 4))
+    uid = _update(late, r2, p.FillParameters(fill))
+    rn.settle(0.1)
+    assert any(isinstance(e, ev.FetchRequested) for e in pub.requests)  # evicted: refetched
+    assert late.normal(r2) == expected(9, 4)
+    assert {e.via_request_id for e in late.objects(r2) if e.delivery is ev.Delivery.FILL} == {uid}
+    assert s.normal(rid) == expected(9, 4)
+
+
+def test_new_group_request_goes_upstream_when_it_asks_for_a_new_group() -> None:
+    """NEW_GROUP_REQUEST (wire reference 5.8): forwarded when 0 or > Largest Group on a
+    DYNAMIC_GROUPS track, not while an equal or larger one is outstanding."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    props = (KeyValuePair(PropertyType.DYNAMIC_GROUPS, 1),)
+    store = pub.serve(TrackStore(track("dyn"), track_properties=props))
+    produce(store, 0, 2)
+    produce(store, 1, 2)
+    s = rn.add_subscriber(relay)
+    rid = s.subscribe_all(store.name)
+    rn.run_until(lambda: s.accepted(rid))
+    _update(s, rid, p.NewGroupRequest(0))
+    rn.settle(0.05)
+    _update(s, rid, p.NewGroupRequest(0))  # outstanding: not again
+    _update(s, rid, p.NewGroupRequest(1))  # not above Largest Group 1: not forwarded
+    rn.settle(0.05)
+    assert [u.params.get(p.NewGroupRequest) for u in _updates(rn, pub)] == [p.NewGroupRequest(0)]
+    produce(store, 2, 2)  # Largest Group grew: the request is answered
+    rn.settle(0.05)
+    _update(s, rid, p.NewGroupRequest(5))
+    rn.settle(0.05)
+    assert [u.params.get(p.NewGroupRequest) for u in _updates(rn, pub)] == [
+        p.NewGroupRequest(0),
+        p.NewGroupRequest(5),
+    ]
+    plain = pub.serve(TrackStore(track("static")))
+    produce(plain, 0, 1)
+    r2 = s.subscribe_all(plain.name)
+    rn.run_until(lambda: s.accepted(r2))
+    _update(s, r2, p.NewGroupRequest(0))  # no DYNAMIC_GROUPS: never forwarded
+    rn.settle(0.05)
+    assert len(_updates(rn, pub)) == 2
+
+
+# --- faults: a subscriber resetting mid-stream; eviction under a response in progress --------
+
+
+def test_a_subscriber_resetting_mid_stream_leaves_the_others_whole() -> None:
+    """One subscriber cancels its subscription mid-group, another STOP_SENDINGs one data
+    stream mid-object: the relay resets exactly those streams with CANCELLED, the others
+    receive every object exactly once, and the relay's accounting stays within budget."""
+    budget = 40_000
+    rn = RelayNet()
+    relay = rn.add_relay(RelayConfig(cache_budget_bytes=budget))
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("faults")))
+    a, b, c = (rn.add_subscriber(relay, bandwidth=400_000) for _ in range(3))
+    ra, rb, rc = (x.subscribe_all(store.name) for x in (a, b, c))
+    rn.run_until(lambda: all(x.accepted(r) for x, r in ((a, ra), (b, rb), (c, rc))))
+    size = 4000
+    produce(store, 0, 8, size=size)
+    produce(store, 1, 8, size=size)
+    rn.run_until(lambda: len(c.normal(rc)) >= 10)  # group 1 is on its way (400 KB/s)
+    assert 0 < len(b.normal(rb)) < 16 and len(c.normal(rc)) < 16
+    b.session.cancel(rb, now=rn.now)
+    rn.net.poke(b.session)
+    # C abandons the data stream it is receiving now (group 1), mid-object
+    (open_ref,) = [
+        ref
+        for ref, st in c.session.receiver.streams.items()
+        if st.request is not None and st.request.request_id == rc and st.group_id == 1
+    ]
+    rn.stop_sending(c.session, open_ref, StreamResetCode.CANCELLED)
+    have_c = len(c.normal(rc))
+    for g in range(2, 12):
+        produce(store, g, 8, size=size)
+        rn.settle(0.01)
+    pub.end_track(store, rn.now)
+    rn.run_until(lambda: a.done(ra) is not None and c.done(rc) is not None)
+    rn.settle(0.2)
+    want = expected(12, 8, size)
+    assert a.normal(ra) == want and a.done(ra).status == PublishDoneCode.TRACK_ENDED
+    # C lost the rest of group 1's stream, nothing else, and nothing twice
+    got_c = c.normal(rc)
+    assert all(got_c[loc] == want[loc] for loc in got_c)
+    assert set(want) - set(got_c) <= {Location(1, o) for o in range(8)}
+    assert len(got_c) > have_c
+    assert all(Location(g, o) in got_c for g in range(2, 12) for o in range(8))
+    assert c.done(rc).status == PublishDoneCode.TRACK_ENDED
+    resets = [e for e in c.events(ev.DataStreamEnded) if e.reset_code is not None]
+    assert [(e.group_id, e.reset_code) for e in resets] == [(1, StreamResetCode.CANCELLED)]
+    # B: its streams were reset with CANCELLED, its request is over on the relay side
+    assert b.done(rb) is None and len(b.normal(rb)) < 16
+    assert {e.reset_code for e in b.events(ev.DataStreamEnded)} <= {
+        None,
+        StreamResetCode.CANCELLED,
+    }
+    relay_b = rn.endpoint(b.session).peer.machine  # the relay's session towards B
+    cancelled = [e for e in rn.net.events(relay_b) if isinstance(e, ev.RequestCancelled)]
+    assert [(e.request_id, e.code) for e in cancelled] == [(rb, StreamResetCode.CANCELLED)]
+    assert relay_b.requests[rb].state is RequestState.FAILED
+    # accounting: one copy, within budget; no subscription left
+    stats = relay.stats()
+    assert stats.evicted_bytes > 0
+    assert relay.cache_bytes <= budget and stats.peak_cache_bytes <= budget + size
+    assert stats.downstream_subscriptions == 0
+    assert relay.track_stats(store.name).duplicates == 0
+    assert relay.upstream_bytes_received == 12 * 8 * size  # the publisher sent each once
+
+
+def test_eviction_during_a_fill_and_a_fetch_served_from_the_cache() -> None:
+    """A fill and a FETCH served from the cache to slow subscribers keep every object
+    while the live track pushes the cache past its budget and evicts their groups."""
+    size, budget = 1000, 30_000
+    rn, relay, pub, _store, _s, _rid = one_track(
+        6, 4, end=False, config=RelayConfig(cache_budget_bytes=budget)
+    )
+    assert relay.stats().evicted_bytes == 0  # 6 x 4 x 256 B fit
+    big = pub.serve(TrackStore(track("big")))
+    live = rn.add_subscriber(relay)
+    rl = live.subscribe_all(big.name)
+    rn.run_until(lambda: live.accepted(rl))
+    for g in range(6):
+        produce(big, g, 4, size=size)
+    rn.settle(0.05)
+    slow_fill = rn.add_subscriber(relay, bandwidth=10_000)
+    slow_fetch = rn.add_subscriber(relay, bandwidth=10_000)
+    rf = slow_fill.subscribe_all(big.name)
+    rx = slow_fetch.fetch(big.name)
+    rn.run_until(lambda: slow_fill.accepted(rf) and slow_fetch.accepted(rx))
+    egress = rn.endpoint(pub.session).bytes_sent
+    for g in range(6, 30):  # the cache passes its budget: early groups of "big" are evicted
+        produce(big, g, 4, size=size)
+        rn.settle(0.005)
+    assert relay.stats().evicted_bytes > 0
+    assert len(slow_fill.normal(rf)) < 24 and len(slow_fetch.normal(rx)) < 24  # still sending
+    assert relay.track_stats(big.name).evicted_groups > 0
+    pub.end_track(big, rn.now)
+    rn.run_until(
+        lambda: (
+            slow_fill.done(rf) is not None
+            and any(e.request_id == rx for e in slow_fetch.events(ev.DataStreamEnded))
+        ),
+        max_time=60,
+    )
+    assert slow_fill.normal(rf) == expected(30, 4, size)
+    assert slow_fetch.normal(rx) == expected(6, 4, size)  # the range as it was: {0,0}..{5,4}
+    assert live.normal(rl) == expected(30, 4, size)
+    # nothing was fetched again: the responses kept the evicted objects themselves
+    assert not any(isinstance(e, ev.FetchRequested) for e in pub.requests)
+    assert rn.endpoint(pub.session).bytes_sent - egress < 25 * 4 * (size + 32)
+    assert relay.cache_bytes <= budget
+
+
+# --- SUBSCRIBE_TRACKS (d21 9.18, wire reference 4.4 and 10) ----------------------------------
+
+
+def test_subscribe_tracks_publishes_known_and_later_tracks() -> None:
+    """The relay PUBLISHes every matching track it knows and every later one, skips the
+    ones the subscriber already SUBSCRIBEd to, and each PUBLISH delivers every object
+    once (FILL_PARAMETERS in the SUBSCRIBE_TRACKS, A10)."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    a = pub.serve(TrackStore(track("a")))
+    x = pub.serve(TrackStore(track("x")))
+    for st in (a, x):
+        produce(st, 0, 3)
+    early = rn.add_subscriber(relay)
+    ra = early.subscribe_all(a.name)  # the relay knows "a" and has it live
+    rn.run_until(lambda: early.accepted(ra))
+    t = rn.add_subscriber(relay)
+    t.accept_publishes()
+    rx = t.subscribe_all(x.name)  # T takes "x" the SUBSCRIBE way
+    rn.run_until(lambda: t.accepted(rx))
+    b = pub.serve(TrackStore(track("b")))  # unknown to the relay so far
+    produce(b, 0, 2)
+    rt = t.subscribe_tracks(TrackNamespace.of("relay-test"))
+    rn.settle(0.05)
+    assert [e.request_id for e in t.events(ev.RequestAccepted)] == [rt]
+    published = {e.track: e for e in t.events(ev.PublishRequested)}
+    assert set(published) == {a.name, b.name}  # "a" from the cache, "b" learnt upstream
+    assert [e.track for e in t.events(ev.PublishSkippedReceived)] == [x.name]
+    # the relay asked the publisher with SUBSCRIBE_TRACKS; its PUBLISHes of "a" and "x",
+    # which the relay already subscribes to, were refused as duplicates
+    assert any(isinstance(e, ev.SubscribeTracksRequested) for e in pub.requests)
+    refused = [e for e in rn.net.events(pub.session) if isinstance(e, ev.RequestFailed)]
+    assert [e.code for e in refused] == [RequestErrorCode.UNINTERESTED] * 2
+    c = pub.serve(TrackStore(track("c")))  # a later track
+    rn.settle(0.02)
+    produce(c, 0, 2)
+    for st in (a, b):
+        produce(st, 1, 3)
+    rn.settle(0.05)
+    published = {e.track: e for e in t.events(ev.PublishRequested)}
+    assert set(published) == {a.name, b.name, c.name}
+    for st, groups, objects in ((a, 2, 3), (b, 1, 2), (c, 1, 2)):
+        got = t.normal(published[st.name].request_id)
+        want = {Location(g, o): payload(g, o) for g in range(groups) for o in range(objects)}
+        if st is a:
+            want.update({Location(1, o): payload(1, o) for o in range(3)})
+        if st is b:
+            want.update({Location(1, o): payload(1, o) for o in range(3)})
+        assert got == want, st.name
+    # the publisher's end reaches the PUBLISH-created subscriptions as PUBLISH_DONE
+    pub.end_track(a, rn.now)
+    rn.run_until(lambda: t.done(published[a.name].request_id) is not None)
+    assert t.done(published[a.name].request_id).status == PublishDoneCode.TRACK_ENDED
+    assert early.done(ra).status == PublishDoneCode.TRACK_ENDED
+    assert relay.track_stats(a.name).duplicates == 0
+
+
+def test_subscribe_tracks_skips_the_subscribers_own_tracks_and_follows_a_prefix_change() -> None:
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    a = pub.serve(TrackStore(track("a")))
+    produce(a, 0, 1)
+    # an edge publisher connected as a downstream peer, publishing its own namespace
+    edge = rn.add_subscriber(relay)
+    edge_ns = TrackNamespace.of("relay-test", "edge")
+    own = TrackStore(track("mine", edge_ns))
+    produce(own, 0, 1)
+    edge.session.publish_namespace(edge_ns, now=rn.now)
+    rn.net.poke(edge.session)
+    rn.settle(0.02)
+
+    def serve(e: Any, now: float) -> None:
+        if isinstance(e, ev.SubscribeRequested):
+            edge.session.accept_subscribe(e.request_id, own, now=now)
+        elif isinstance(e, ev.PublishRequested):
+            edge.session.accept_publish(e.request_id, now=now)
+
+    rn.handlers[edge.session] = serve
+    other = rn.add_subscriber(relay)
+    ro = other.subscribe_all(own.name)  # the relay now knows the edge's track
+    rn.run_until(lambda: len(other.normal(ro)) == 1)
+    rt = edge.subscribe_tracks(NS, fill=False)  # "relay-test/pub-a" only
+    rn.settle(0.05)
+    assert [e.track for e in edge.events(ev.PublishRequested)] == [a.name]
+    assert edge.events(ev.PublishSkippedReceived) == []
+    # widen the prefix: its own track is skipped, not PUBLISHed back to it
+    edge.session.request_update(
+        rt,
+        p.Parameters.of(p.TrackNamespacePrefix(TrackNamespace.of("relay-test"))),
+        now=rn.now,
+    )
+    rn.net.poke(edge.session)
+    rn.settle(0.05)
+    assert [e.track for e in edge.events(ev.PublishRequested)] == [a.name]
+    assert [e.track for e in edge.events(ev.PublishSkippedReceived)] == [own.name]
+
+
+def test_subscribe_tracks_through_a_relay_tree() -> None:
+    rn, a, b, _c, pub = tree()
+    t = rn.add_subscriber(b)
+    t.accept_publishes()
+    rt = t.subscribe_tracks(TrackNamespace.of("relay-test"))
+    rn.settle(0.05)
+    store = pub.serve(TrackStore(track("deep")))
+    rn.settle(0.05)
+    (pr,) = t.events(ev.PublishRequested)
+    assert pr.track == store.name
+    for g in range(3):
+        produce(store, g, 3)
+        rn.settle(0.005)
+    pub.end_track(store, rn.now)
+    rn.run_until(lambda: t.done(pr.request_id) is not None)
+    assert t.normal(pr.request_id) == expected(3, 3, 256)
+    assert t.done(pr.request_id).status == PublishDoneCode.TRACK_ENDED
+    assert rt in {e.request_id for e in t.events(ev.RequestAccepted)}
+    assert a.upstream_bytes_received == b.upstream_bytes_received == 9 * 256
+
+
+def test_namespace_prefix_update_through_the_relay() -> None:
+    """TRACK_NAMESPACE_PREFIX on a SUBSCRIBE_NAMESPACE (wire reference 5.8): suffixes are
+    relative to the new prefix after the REQUEST_OK, on both sessions."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    s = rn.add_subscriber(relay)
+    rid = s.session.subscribe_namespace(NS, now=rn.now)
+    rn.net.poke(s.session)
+    rn.settle(0.02)
+    assert [e.namespace for e in s.events(ev.NamespaceAnnounced)] == [NS]
+    s.session.request_update(
+        rid, p.Parameters.of(p.TrackNamespacePrefix(TrackNamespace.of("relay-test"))), now=rn.now
+    )
+    rn.net.poke(s.session)
+    rn.settle(0.02)
+    other = TrackNamespace.of("relay-test", "pub-b")
+    pub.session.publish_namespace(other, now=rn.now)
+    rn.net.poke(pub.session)
+    rn.settle(0.02)
+    assert [e.namespace for e in s.events(ev.NamespaceAnnounced)] == [NS, other]
+    rn.cut(pub.session)
+    rn.settle(0.02)
+    assert sorted(e.namespace.fields for e in s.events(ev.NamespaceWithdrawn)) == sorted(
+        [NS.fields, other.fields]
+    )
+    assert not s.session.is_closed
+
+
+def test_cancelled_subscribe_tracks_gets_no_more_publishes() -> None:
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    t = rn.add_subscriber(relay)
+    t.accept_publishes()
+    rt = t.subscribe_tracks(TrackNamespace.of("relay-test"), fill=False)
+    rn.settle(0.02)
+    first = pub.serve(TrackStore(track("one")))
+    rn.settle(0.02)
+    assert [e.track for e in t.events(ev.PublishRequested)] == [first.name]
+    (pr,) = t.events(ev.PublishRequested)
+    assert pr.params.get(p.Forward) == p.Forward(1)
+    assert pr.params.get(p.GroupOrderParam) is not None  # written explicitly (B3)
+    t.session.cancel(rt, now=rn.now)
+    rn.net.poke(t.session)
+    rn.settle(0.02)
+    pub.serve(TrackStore(track("two")))
+    produce(first, 0, 2)
+    rn.settle(0.05)
+    assert [e.track for e in t.events(ev.PublishRequested)] == [first.name]
+    assert sorted(t.normal(pr.request_id)) == [Location(0, 0), Location(0, 1)]  # lives on
+
+
+def test_a_delivery_timeout_runs_from_when_the_relay_got_the_object() -> None:
+    """d21 5.2: OBJECT_DELIVERY_TIMEOUT starts when the relay received the object, not when
+    its downstream session last did something (it may have been idle for long)."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("timed")))
+    s = rn.add_subscriber(relay)
+    rid = s.session.subscribe(
+        store.name,
+        now=rn.now,
+        location_filter=p.LocationFilter.next_object(),
+        extra=[p.ObjectDeliveryTimeout(100)],
+    )
+    rn.net.poke(s.session)
+    rn.run_until(lambda: s.accepted(rid))
+    rn.settle(2.0)  # everyone idle for much longer than the timeout
+    produce(store, 0, 3)
+    rn.settle(0.1)
+    assert sorted(s.normal(rid)) == [Location(0, o) for o in range(3)]
+    assert all(e.reset_code is None for e in s.events(ev.DataStreamEnded))
+
+
+def test_late_objects_from_out_of_order_upstream_delivery_reach_a_late_joiner() -> None:
+    """A27 through the relay: subgroup 1 of a group reaches the cache before subgroup 0; a
+    subscriber joining in between (live start after {2,4}) gets subgroup 0 fill-delivered
+    when it arrives, every object once."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("ooo")))
+    first = rn.add_subscriber(relay)
+    r1 = first.subscribe_all(store.name)
+    rn.run_until(lambda: first.accepted(r1))
+    produce(store, 0, 3)
+    produce(store, 1, 3)
+    for o in (3, 4):  # subgroup 1 of group 2 arrives first
+        store.append(2, o, payload(2, o), subgroup_id=1)
+    rn.settle(0.02)
+    late = rn.add_subscriber(relay)
+    r2 = late.subscribe_all(store.name)
+    rn.run_until(lambda: late.accepted(r2))
+    assert late.events(ev.SubscribeAccepted)[0].largest == Location(2, 4)
+    for o in range(3):  # subgroup 0 now: below the late joiner's live start
+        store.append(2, o, payload(2, o), subgroup_id=0)
+    store.append(2, 5, payload(2, 5), subgroup_id=1)
+    rn.settle(0.05)
+    want = {**expected(2, 3), **{Location(2, o): payload(2, o) for o in range(6)}}
+    assert first.normal(r1) == want
+    assert late.normal(r2) == want
+    by = {e.location: e for e in late.objects(r2)}
+    assert all(by[Location(2, o)].delivery is ev.Delivery.FILL for o in range(3))
+    assert by[Location(2, 5)].delivery is ev.Delivery.SUBSCRIPTION

@@ -541,3 +541,148 @@ def test_relative_start_fill_joins_at_the_current_group(chunking: str) -> None:
     got = [(e.location.group, e.location.object, e.delivery) for e in pair.objects(rid)]
     fill, live = ev.Delivery.FILL, ev.Delivery.SUBSCRIPTION
     assert got == [(2, 0, fill), (2, 1, fill), (2, 2, fill), (3, 0, live)]
+
+
+def test_late_objects_below_the_live_start_are_fill_delivered(chunking: str) -> None:
+    """Ambiguity A27: objects reaching the store after the fill was taken, below the live
+    start (out-of-order production or upstream delivery), go out fill-delivered on a late
+    fill stream named by the fill's Request ID; every object arrives exactly once."""
+    pair = Pair(CHUNKINGS[chunking])
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(2), 3)
+    # group 2: subgroup 1 ({2,3}, {2,4}) arrived, subgroup 0 ({2,0}..{2,2}) is late
+    store.append(2, 3, payload(2, 3), subgroup_id=1)
+    store.append(2, 4, payload(2, 4), subgroup_id=1)
+    rid = pair.cli.subscribe(
+        store.name,
+        now=pair.now,
+        location_filter=p.LocationFilter.next_object(),
+        fill=p.Parameters.of(p.LocationFilter.absolute_start(0, 0)),
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    assert pair.events(pair.cli, ev.SubscribeAccepted)[0].largest == Location(2, 4)
+    pair.settle(0.2)
+    for o in range(3):  # the late subgroup
+        store.append(2, o, payload(2, o), subgroup_id=0)
+        pair.settle(0.002)
+    store.append(2, 5, payload(2, 5), subgroup_id=1)  # live again
+    pair.settle(0.5)
+    got = [(e.location.group, e.location.object) for e in pair.objects(rid)]
+    assert len(got) == len(set(got)), "an object was delivered twice"
+    normal = {
+        (o.location.group, o.location.object)
+        for o in store.objects_in(Location(0, 0))
+        if o.status is ObjectStatus.NORMAL
+    }
+    assert set(got) == normal
+    by = {(e.location.group, e.location.object): e for e in pair.objects(rid)}
+    for o in range(3):
+        assert by[(2, o)].delivery is ev.Delivery.FILL and by[(2, o)].via_request_id == rid
+    assert by[(2, 5)].delivery is ev.Delivery.SUBSCRIPTION
+    for e in pair.objects(rid):
+        assert bytes(e.payload) == payload(e.location.group, e.location.object)
+    # the late fill streams count in PUBLISH_DONE's Stream Count (d21 9.9)
+    pair.srv.end_subscription(rid, PublishDoneCode.TRACK_ENDED, now=pair.now)
+    pair.net.poke(pair.srv)
+    pair.wait(lambda: pair.events(pair.cli, ev.PublishDoneReceived))
+    done = pair.events(pair.cli, ev.PublishDoneReceived)[0]
+    ended = [e for e in pair.events(pair.cli, ev.DataStreamEnded) if e.request_id == rid]
+    assert done.stream_count == len(ended) >= 3
+    _same_across_chunkings("late_fill", chunking, normalized(pair.net.events(pair.cli)))
+
+
+def test_late_objects_outside_every_fill_are_not_sent() -> None:
+    """Wire reference 5.4: below a NEXT_OBJECT start and outside the fill range: dropped."""
+    pair = Pair()
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(3), 2, end_of_group=False)
+    rid = pair.cli.subscribe(
+        store.name,
+        now=pair.now,
+        location_filter=p.LocationFilter.next_object(),
+        fill=p.Parameters.of(p.LocationFilter.absolute_start(2, 0)),
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    store.append(1, 5, payload(1, 5))  # below the fill's start: no stream for it
+    store.append(2, 5, payload(2, 5))  # above Largest {2,1}: live
+    pair.settle(0.3)
+    got = sorted((e.location.group, e.location.object) for e in pair.objects(rid))
+    assert got == [(2, 0), (2, 1), (2, 5)]
+
+
+@pytest.mark.parametrize("kind", ["fetch", "fill"])
+def test_a_served_range_is_a_snapshot_that_eviction_does_not_shrink(kind: str) -> None:
+    """A FETCH or fill sends the objects in its range when it was processed: groups evicted
+    from the store meanwhile (a relay's cache budget) are still sent whole."""
+    pair = Pair(bandwidth=20_000)
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(6), 4, size=1000, end_of_group=False)
+    if kind == "fetch":
+        rid = pair.cli.fetch(store.name, now=pair.now)
+    else:
+        rid = pair.cli.subscribe(
+            store.name,
+            now=pair.now,
+            location_filter=p.LocationFilter.next_object(),
+            fill=p.Parameters.of(p.LocationFilter.absolute_start(0, 0)),
+        )
+    pair.net.poke(pair.cli)
+    pair.wait(lambda: len(pair.objects(rid)) >= 2)
+    for g in range(6):  # the store forgets everything while the range is being sent
+        store.evict_group(g)
+    assert len(store) == 0
+    pair.settle(3.0)
+    got = [(e.location.group, e.location.object) for e in pair.objects(rid)]
+    assert got == [(g, o) for g in range(6) for o in range(4)]
+    for e in pair.objects(rid):
+        assert bytes(e.payload) == payload(e.location.group, e.location.object, 1000)
+
+
+def test_fill_without_inner_filter_uses_the_filter_in_effect() -> None:
+    """Wire reference 6 item 2: a fill with no inner LOCATION_FILTER takes the subscription's
+    filter in effect, i.e. after the REQUEST_UPDATE that carries it (sticky, 5.9)."""
+    pair = Pair()
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(4), 2, end_of_group=False)
+    rid = pair.cli.subscribe(
+        store.name, now=pair.now, location_filter=p.LocationFilter.absolute_start(3, 0)
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    pair.cli.request_update(
+        rid,
+        p.Parameters.of(p.LocationFilter.absolute_start(1, 1), p.FillParameters(p.Parameters())),
+        now=pair.now,
+    )
+    pair.net.poke(pair.cli)
+    pair.settle(0.3)
+    got = [(e.location.group, e.location.object, e.delivery) for e in pair.objects(rid)]
+    fill = ev.Delivery.FILL
+    assert got == [(1, 1, fill), (2, 0, fill), (2, 1, fill), (3, 0, fill), (3, 1, fill)]
+
+
+def test_late_fill_objects_are_not_subject_to_delivery_timeouts() -> None:
+    """d21 5.2 timeouts apply to subgroups and datagrams; a late fill stream (A27) that
+    waits for bandwidth is neither reset nor does it mark a subgroup as timed out."""
+    pair = Pair(bandwidth=20_000)
+    store = pair.serve(TrackStore(track("k.raw.s0")))
+    fill_store(store, range(1), 2, size=1000, end_of_group=False)
+    store.append(1, 5, payload(1, 5, 1000), subgroup_id=1)
+    rid = pair.cli.subscribe(
+        store.name,
+        now=pair.now,
+        location_filter=p.LocationFilter.next_object(),
+        fill=p.Parameters.of(p.LocationFilter.absolute_start(0, 0)),
+        extra=[p.ObjectDeliveryTimeout(50)],
+    )
+    pair.wait(lambda: pair.events(pair.cli, ev.SubscribeAccepted))
+    for o in range(5):  # late, below the live start {1,6}; 5 KB at 20 KB/s: > 50 ms
+        store.append(1, o, payload(1, o, 1000), subgroup_id=0)
+    pair.settle(2.0)
+    got = sorted((e.location.group, e.location.object) for e in pair.objects(rid))
+    assert got == [(0, 0), (0, 1), *((1, o) for o in range(6))]
+    fills = [e for e in pair.events(pair.cli, ev.DataStreamEnded) if e.delivery is ev.Delivery.FILL]
+    assert len(fills) >= 2 and all(e.reset_code is None for e in fills)
+    pair.srv.advance(pair.now)  # the application hands the object over now (d21 5.2)
+    store.append(1, 6, payload(1, 6, 1000), subgroup_id=1)  # subgroup 1 still flows live
+    pair.settle(0.5)
+    assert (1, 6) in {(e.location.group, e.location.object) for e in pair.objects(rid)}

@@ -33,6 +33,9 @@ class SessionConfig:
     """AUTHORITY setup option: clients over native QUIC only."""
     path: bytes | None = None
     """PATH setup option: clients over native QUIC only."""
+    webtransport: bool = False
+    """The session runs over WebTransport: AUTHORITY and PATH must not be used (wire
+    reference 3.1); received ones close the session INVALID_AUTHORITY / INVALID_PATH."""
     max_filter_ranges: int = 16
     """MAX_FILTER_RANGES we accept in one subscription or fetch (0 = no range filters).
     More -> REQUEST_ERROR INVALID_FILTER."""

@@ -188,6 +188,44 @@ class ObjectReceived:
     def payload_bytes(self) -> bytes:
         return bytes(self.payload)
 
+    @classmethod
+    def trusted(
+        cls,
+        request_id: int,
+        delivery: Delivery,
+        location: Location,
+        subgroup_id: int | None,
+        publisher_priority: int,
+        status: ObjectStatus,
+        properties: KeyValuePairs,
+        payload: memoryview,
+        via_request_id: int,
+    ) -> ObjectReceived:
+        """Build from values a decoder produced (the per-Object receive path): the slots
+        are filled directly."""
+        e: ObjectReceived = object.__new__(cls)
+        _OR_REQUEST_ID(e, request_id)
+        _OR_DELIVERY(e, delivery)
+        _OR_LOCATION(e, location)
+        _OR_SUBGROUP_ID(e, subgroup_id)
+        _OR_PRIORITY(e, publisher_priority)
+        _OR_STATUS(e, status)
+        _OR_PROPERTIES(e, properties)
+        _OR_PAYLOAD(e, payload)
+        _OR_VIA(e, via_request_id)
+        return e
+
+
+_OR_REQUEST_ID = ObjectReceived.__dict__["request_id"].__set__
+_OR_DELIVERY = ObjectReceived.__dict__["delivery"].__set__
+_OR_LOCATION = ObjectReceived.__dict__["location"].__set__
+_OR_SUBGROUP_ID = ObjectReceived.__dict__["subgroup_id"].__set__
+_OR_PRIORITY = ObjectReceived.__dict__["publisher_priority"].__set__
+_OR_STATUS = ObjectReceived.__dict__["status"].__set__
+_OR_PROPERTIES = ObjectReceived.__dict__["properties"].__set__
+_OR_PAYLOAD = ObjectReceived.__dict__["payload"].__set__
+_OR_VIA = ObjectReceived.__dict__["via_request_id"].__set__
+
 
 @attrs.frozen(kw_only=True)
 class RangeMarkerReceived:

@@ -78,9 +78,12 @@ class OwnRequests(SessionCore):
                     SessionErrorCode.PROTOCOL_VIOLATION, f"unsolicited {msg.TYPE.name}"
                 )
             update_id = rec.pending_updates.popleft()
+            prefix = rec.pending_prefixes.pop(update_id, None)
             # keep update_id -> request: a fill stream naming it may still arrive (d21 3.4)
             if isinstance(msg, m.RequestOk):
                 m.check_request_ok(msg, MessageType.REQUEST_UPDATE)
+                if prefix is not None:
+                    rec.change_prefix(prefix)
                 largest = msg.params.get(p.LargestObject)
                 if largest is not None:
                     rec.largest = largest.location

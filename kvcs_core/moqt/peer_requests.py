@@ -141,6 +141,10 @@ class PeerRequests(SessionCore):
             if self._prefix_overlap(rec):
                 self._refuse(rec, RequestErrorCode.PREFIX_OVERLAP, "prefix overlaps another")
                 return
+            bad = self._bad_filters(msg.params)
+            if bad is not None:  # wire reference 5.5, as for SUBSCRIBE
+                self._refuse(rec, RequestErrorCode.INVALID_FILTER, bad)
+                return
             self._out.emit(
                 ev.SubscribeTracksRequested(
                     request_id=rec.request_id, prefix=msg.prefix, params=msg.params
@@ -290,6 +294,8 @@ class PeerRequests(SessionCore):
                     m.RequestError(RequestErrorCode.PREFIX_OVERLAP, 0, b"prefix overlaps another"),
                 )
                 return
+            rec.namespace = old
+            rec.change_prefix(prefix.namespace)
             self._out.send(rec.stream, m.RequestOk(p.Parameters()))
         else:
             self._out.send(rec.stream, m.RequestOk(p.Parameters()))

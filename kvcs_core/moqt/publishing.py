@@ -16,12 +16,36 @@ order (d21 sections 3, 5.1.2, 11):
   or End of Track object or when a later group starts (the original publisher
   produces groups in order), or onto datagrams for Datagram-preference objects.
 * **Fills** (d21 section 3.4). A fill is a fetch-format stream named by the
-  SUBSCRIBE's (or REQUEST_UPDATE's) Request ID, read lazily from the store over
-  the fill range and FIN'd at its end; it is only opened while Forward is 1.
+  SUBSCRIBE's (or REQUEST_UPDATE's) Request ID, carrying the objects of the
+  fill range and FIN'd at its end; it is only opened while Forward is 1.
 * **FETCH** (d21 section 9.11). The range is evaluated with the FETCH rules;
   nothing published or a start past Largest Object is REQUEST_ERROR
   INVALID_RANGE. FETCH_OK is sent at once (End Location = the last object that
   exists in the range, Ambiguity A2d) and the objects follow on one stream.
+* **Served ranges are snapshots.** A fill or FETCH takes the list of the
+  store's objects in its range when it is processed (references to the stored
+  objects, no payload copy) and sends from that list, so a relay evicting
+  groups of the store meanwhile (its cache budget) removes nothing from a
+  response in progress: the objects being served keep their buffers alive
+  until written; eviction only drops the store's own index.
+* **Late objects (Ambiguity A27).** Objects can reach the store out of order
+  (a relay's upstream delivers subgroups, fills and fetches on separate
+  streams): an object below a subscription's live start may be appended after
+  the subscription's fill was computed. It is not in the fill's snapshot and
+  the window rejects it (wire reference 5.4: objects below a NEXT_OBJECT start
+  do not pass), yet it belongs to the fill range, so it is *fill-delivered*:
+  sent on a further fetch-format stream named by the same Request ID as the
+  fill (a *late fill* stream, FIN'd once drained; several fill streams may be
+  open at once, wire reference 6 item 1), counted in Stream Count. Every
+  object of the fill range thus reaches the subscriber exactly once, whenever
+  it reaches the store (the exactly-once recipe, wire reference 6). A
+  subscription remembers its last ``_MAX_FILL_RECORDS`` fill ranges.
+* **Restores.** A cache (a relay) may evict objects and append them again
+  later (fetched upstream for a late joiner). Such an object is not new: while
+  :attr:`Publisher.restoring` names the store (``MoqtSession.restoring``), an
+  appended object is never sent on the live path, and on a late fill stream
+  only to fills whose snapshot lacked its group (they were computed while it
+  was evicted), so nobody receives an object twice.
 * **Sending is pulled** (STYLE.md R9): :meth:`Publisher.poll_data` asks the
   :class:`Scheduler` for the most urgent sender (d21 5.1.2: subscriber
   priority, then publisher priority, then group order, fill before subscription
@@ -50,7 +74,8 @@ from kvcs_core.moqt.config import SessionConfig
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.output import Output
 from kvcs_core.moqt.requests import RequestRecord, RequestState
-from kvcs_core.moqt.scheduler import Scheduler, SendKey
+from kvcs_core.moqt.scheduler import Delivery as SchedDelivery
+from kvcs_core.moqt.scheduler import Scheduler
 from kvcs_core.moqt.transport_io import (
     AbortKind,
     SendDatagram,
@@ -63,6 +88,7 @@ from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import (
     GroupOrder,
+    LocationFilterType,
     ObjectStatus,
     PropertyType,
     PublishDoneCode,
@@ -71,8 +97,10 @@ from kvcs_core.wire.codes import (
 )
 from kvcs_core.wire.datagram import ObjectDatagram, encode_datagram_header
 from kvcs_core.wire.fetch import FetchStreamWriter
+from kvcs_core.wire.kvp import kvps_bytes
 from kvcs_core.wire.names import Location
-from kvcs_core.wire.subgroup import SubgroupHeader, SubgroupIdMode, SubgroupStreamWriter
+from kvcs_core.wire.subgroup import SubgroupHeader, SubgroupIdMode, encode_subgroup_header
+from kvcs_core.wire.varint import encode_vi64
 
 if TYPE_CHECKING:
     from kvcs_core.moqt.track_store import ListenerHandle, StoredObject, TrackStore
@@ -81,12 +109,34 @@ if TYPE_CHECKING:
 _MAX_OBJECTS_PER_WRITE = 64
 """Objects one pull may carry from one stream (whole objects while the budget allows)."""
 
+_MAX_MEMO_PREFIXES = 1024
+"""Subgroup object prefixes memoised per session (bounded: cleared when full)."""
+
+_MAX_FILL_RECORDS = 8
+"""Fill ranges a subscription remembers for late objects (A27); the oldest is forgotten."""
+
 
 class _Kind(enum.IntEnum):
     SUBGROUP = 1
     FILL = 2
     FETCH = 3
     DATAGRAMS = 4
+
+
+@attrs.define(eq=False)
+class _FillRecord:
+    """A fill opened for a subscription: where objects appended later in its range go."""
+
+    request_id: int
+    """The Request ID naming the fill (the SUBSCRIBE's or the REQUEST_UPDATE's)."""
+    start: Location
+    end: Location
+    order: GroupOrder
+    filters: RangeFilterSet
+    groups: frozenset[int]
+    """The groups the fill's snapshot held objects of (a restored group it lacked is sent)."""
+    late: _Sender | None = None
+    """The open late-fill sender, if any (A27)."""
 
 
 @attrs.define(eq=False)
@@ -99,7 +149,19 @@ class _Served:
     group_order: GroupOrder
     forward: bool = True
     window: Window | None = None
+    """Set with :func:`_set_window` (which keeps ``win_lo``/``win_hi`` in step)."""
+    win_lo: tuple[int, int] = (0, 0)
+    """``window.start`` as ``(group, object)``: compared on every object (hot path)."""
+    win_hi: tuple[int, int] | None = None
+    """``window.end`` as ``(group, object)``; None = open."""
+    location_filter: p.LocationFilter | None = None
+    """The subscription's LOCATION_FILTER in effect (sticky across REQUEST_UPDATEs)."""
+    announced: Location | None = None
+    """Our PUBLISH: the Largest Object it announced (where its live part starts after)."""
     filters: RangeFilterSet = attrs.field(factory=RangeFilterSet)
+    """Set with :func:`_set_filters` (which keeps ``any_filter`` in step)."""
+    any_filter: bool = False
+    """``filters`` holds an object-level filter (else every object matches)."""
     alias: int = 0
     listener: ListenerHandle | None = None
     senders: dict[tuple[int, int], _Sender] = attrs.field(factory=dict)
@@ -117,6 +179,8 @@ class _Served:
     """Effective OBJECT_DELIVERY_TIMEOUT in seconds (d21 section 5.2), None = none."""
     timed_out: set[tuple[int, int]] = attrs.field(factory=set)
     """Subgroups reset for a delivery timeout: never reopened (d21 section 5.2)."""
+    fills: list[_FillRecord] = attrs.field(factory=list)
+    """The fills opened for this subscription, newest last (A27 late objects)."""
 
 
 @attrs.define(eq=False)
@@ -129,7 +193,6 @@ class _Sender:
     enqueued: deque[float] = attrs.field(factory=deque)
     """When each queued object was offered (for OBJECT_DELIVERY_TIMEOUT, d21 5.2)."""
     cursor: Iterator[StoredObject] | None = None
-    subgroup_writer: SubgroupStreamWriter | None = None
     fetch_writer: FetchStreamWriter | None = None
     partial: list[bytes | memoryview] = attrs.field(factory=list)
     """Chunks of the object being written (byte views: ``len`` is their size)."""
@@ -142,6 +205,31 @@ class _Sender:
     was queued, or a later group started): SUBGROUP_DELIVERY_TIMEOUT runs from here."""
     filters: RangeFilterSet | None = None
     """Range filters for a cursor sender (fill/fetch); None: the served request's."""
+    last_loc: Location | None = None
+    """Late-fill sender: the Location of the last object queued (fetch order, A27)."""
+    next_oid: int = -1
+    """Subgroup stream: the smallest Object ID allowed next (-1 before the first object)."""
+
+
+_DELIVERY: dict[_Kind, int] = {
+    _Kind.FILL: SchedDelivery.FILL,
+    _Kind.FETCH: SchedDelivery.FILL,
+    _Kind.DATAGRAMS: SchedDelivery.DATAGRAM,
+    _Kind.SUBGROUP: SchedDelivery.SUBGROUP,
+}
+"""The *delivery* part of a sender's rank (scheduler rule 4)."""
+
+
+def _set_window(served: _Served, window: Window) -> None:
+    served.window = window
+    served.win_lo = (window.start.group, window.start.object)
+    end = window.end
+    served.win_hi = None if end is None else (end.group, end.object)
+
+
+def _set_filters(served: _Served, filters: RangeFilterSet) -> None:
+    served.filters = filters
+    served.any_filter = filters.filters_objects
 
 
 _ABANDONED = _Sender(sid=-1, kind=_Kind.SUBGROUP, served=None, finished=True)  # type: ignore[arg-type]
@@ -164,6 +252,25 @@ def _delivery_timeout(
     return min(values) / 1000 if values else None
 
 
+def _snapshot(
+    store: TrackStore, start: Location, end: Location, order: GroupOrder
+) -> list[StoredObject]:
+    """The Normal objects of ``start..end`` in ``order``, as stored now: what a FETCH or
+    fill sends (fetch streams carry no Object Status, d21 11.4.1). References only: the
+    payload buffers are shared, never copied; eviction from the store leaves them here."""
+    return [o for o in store.objects_in(start, end, order) if o.status is ObjectStatus.NORMAL]
+
+
+def _follows(last: Location | None, loc: Location, order: GroupOrder) -> bool:
+    """``loc`` may follow ``last`` on one fetch-format stream (groups in ``order``,
+    Object IDs ascending within a group; wire reference 7.5, A5)."""
+    if last is None:
+        return True
+    if loc.group == last.group:
+        return loc.object > last.object
+    return (loc.group < last.group) if order is GroupOrder.DESCENDING else (loc.group > last.group)
+
+
 def _fill_or_fetch_order(params: p.Parameters, default: GroupOrder) -> GroupOrder:
     order = params.get(p.GroupOrderParam)
     return order.order if order is not None else default
@@ -183,8 +290,11 @@ class Publisher:
         """Senders of subscriptions with a delivery timeout: the only ones timers look at."""
         self._next_sid = 0
         self._next_alias = 0
-        self._seq = 0
         self.now = 0.0
+        self.restoring: TrackStore | None = None
+        """While set, objects appended to this store are *restores* (module docstring)."""
+        self._prefixes: dict[tuple[int, int], bytes] = {}
+        self._max_queued = config.max_queued_bytes_per_subscription
 
     @property
     def queued_bytes(self) -> int:
@@ -223,7 +333,9 @@ class Publisher:
         )
         # Ambiguity A27: window and fill range against one Largest Object, in one step.
         largest = store.largest
-        served.window = subscription_window(params.get(p.LocationFilter), largest)
+        served.location_filter = params.get(p.LocationFilter)
+        _set_window(served, subscription_window(served.location_filter, largest))
+        _set_filters(served, served.filters)
         self._served[rec.request_id] = served
         ok_params: list[p.Parameter] = []
         if expires_ms:
@@ -238,22 +350,64 @@ class Publisher:
             self._open_fill(served, rec.request_id, fill.params, largest)
         served.listener = store.subscribe_listener(lambda obj: self._on_object(served, obj))
 
-    def start_publish(self, rec: RequestRecord, store: TrackStore, now: float, alias: int) -> None:
-        """Our PUBLISH: objects from the Next Object on, once forwarding (d21 9.8)."""
+    def start_publish(
+        self,
+        rec: RequestRecord,
+        store: TrackStore,
+        now: float,
+        alias: int,
+        filters: RangeFilterSet,
+    ) -> None:
+        """Our PUBLISH: objects from the Next Object on (or the PUBLISH's LOCATION_FILTER),
+        once forwarding (d21 9.8). Its parameters are the initial subscription settings
+        (wire reference 4.3); ``filters`` are range filters that cannot travel in a PUBLISH
+        (those of a SUBSCRIBE_TRACKS, applied here)."""
         self.now = now
         params = rec.params
         fwd = params.get(p.Forward)
+        prio = params.get(p.SubscriberPriority)
         served = _Served(
             rec=rec,
             store=store,
-            priority=128,
-            group_order=store.group_order,
+            priority=prio.value if prio else 128,
+            group_order=_fill_or_fetch_order(params, store.group_order),
             forward=fwd is None or fwd.value == 1,
+            filters=filters,
             alias=alias,
         )
-        served.window = subscription_window(p.LocationFilter.next_object(), store.largest)
+        served.object_timeout = _delivery_timeout(params, store)
+        served.subgroup_timeout = _delivery_timeout(
+            params, store, p.SubgroupDeliveryTimeout, PropertyType.SUBGROUP_DELIVERY_TIMEOUT
+        )
+        served.location_filter = params.get(p.LocationFilter)
+        lf = served.location_filter or p.LocationFilter.next_object()
+        _set_window(served, subscription_window(lf, store.largest))
+        _set_filters(served, filters)
+        served.announced = store.largest
         self._served[rec.request_id] = served
         served.listener = store.subscribe_listener(lambda obj: self._on_object(served, obj))
+
+    def open_publish_fill(self, rec: RequestRecord, inner: p.Parameters) -> bool:
+        """Ambiguity A10: a fill on the subscription our PUBLISH created, named by the
+        PUBLISH's Request ID, from ``inner``'s LOCATION_FILTER (else the whole track) to the
+        Largest Object the PUBLISH announced: the live part starts right after it, so each
+        object arrives once. False: nothing to fill (or not forwarding)."""
+        served = self._served.get(rec.request_id)
+        if served is None or served.done or served.ending is not None or not served.forward:
+            return False
+        lf = inner.get(p.LocationFilter)
+        rng = fetch_range(lf if lf is not None else served.location_filter, served.announced)
+        if rng is None:
+            return False
+        order = _fill_or_fetch_order(inner, served.group_order)
+        snapshot = _snapshot(served.store, rng.start, rng.end, order)
+        sender = self._add_cursor_sender(served, _Kind.FILL, rec.request_id, snapshot, order)
+        sender.filters = served.filters.apply_update(inner)
+        groups = frozenset(o.location.group for o in snapshot)
+        served.fills.append(
+            _FillRecord(rec.request_id, rng.start, rng.end, order, sender.filters, groups)
+        )
+        return True
 
     def take_alias(self) -> int:
         """A Track Alias not used by this session yet."""
@@ -264,7 +418,10 @@ class Publisher:
         params = rec.params
         largest = store.largest
         rng = fetch_range(params.get(p.LocationFilter), largest)
-        end = self._last_existing(store, rng.start, rng.end) if rng is not None else None
+        order = _fill_or_fetch_order(params, GroupOrder.ASCENDING)
+        snapshot = _snapshot(store, rng.start, rng.end, order) if rng is not None else []
+        # End Location: the last object that exists in the range (Ambiguity A2d)
+        end = max((o.location for o in snapshot), default=None)
         if rng is None or end is None:
             self._out.send(
                 rec.stream,
@@ -278,7 +435,7 @@ class Publisher:
             rec=rec,
             store=store,
             priority=prio.value if prio else 128,
-            group_order=_fill_or_fetch_order(params, GroupOrder.ASCENDING),
+            group_order=order,
             filters=RangeFilterSet.from_params(params),
         )
         self._served[rec.request_id] = served
@@ -288,9 +445,7 @@ class Publisher:
         self._out.send(
             rec.stream, m.FetchOk(end_of_track, end, p.Parameters(), store.track_properties)
         )
-        self._add_cursor_sender(
-            served, _Kind.FETCH, rec.request_id, rng.start, end, served.group_order
-        )
+        self._add_cursor_sender(served, _Kind.FETCH, rec.request_id, snapshot, order)
         return True
 
     def update_subscription(
@@ -311,9 +466,10 @@ class Publisher:
         if prio is not None:
             served.priority = prio.value
         lf = params.get(p.LocationFilter)
-        if lf is not None:
-            served.window = subscription_window(lf, largest)
-        served.filters = served.filters.apply_update(params)
+        if lf is not None:  # NONE removes the filter (wire reference 5.4)
+            served.location_filter = None if lf.filter_type == LocationFilterType.NONE else lf
+            _set_window(served, subscription_window(lf, largest))
+        _set_filters(served, served.filters.apply_update(params))
         if largest is not None:
             ok.append(p.LargestObject(largest))
         self._out.send(rec.stream, m.RequestOk(p.Parameters(ok)))
@@ -432,55 +588,73 @@ class Publisher:
             if not sender.queue and sender.fin_when_drained:
                 self._mark_finished(sender)  # no stream to FIN: the flow just ends
             return out
-        assert sender.stream is not None
+        stream = sender.stream
+        assert stream is not None
         chunks: list[bytes | memoryview] = []
+        partial = sender.partial
         objects = 0
         while budget > 0:
-            if not sender.partial:
-                if objects >= _MAX_OBJECTS_PER_WRITE:
-                    break
+            if partial:  # the rest of an object cut at an earlier budget
+                head = partial[0]
+                n = len(head)
+                if n <= budget:
+                    chunks.append(head)
+                    budget -= n
+                    del partial[0]
+                else:
+                    chunks.append(head[:budget])
+                    partial[0] = head[budget:]
+                    budget = 0
+                continue
+            if objects >= _MAX_OBJECTS_PER_WRITE:
+                break
+            if sender.queue or sender.cursor is not None:
                 nxt = self._next_object(sender)
                 if sender.finished:
                     return None  # reset for a delivery timeout: nothing more may be written
-                if nxt is None:
-                    if not chunks and (
-                        sender.fin_when_drained
-                        or (sender.cursor is None and sender.kind is not _Kind.SUBGROUP)
-                    ):
-                        return self._fin(sender)
-                    break
-                sender.partial = self._encode(sender, nxt)
-                objects += 1
-            head = sender.partial[0]
-            if len(head) <= budget:
-                chunks.append(head)
-                budget -= len(head)
-                sender.partial.pop(0)
             else:
-                chunks.append(head[:budget])
-                sender.partial[0] = head[budget:]
-                budget = 0
+                nxt = None
+            if nxt is None:
+                if not chunks and (
+                    sender.fin_when_drained
+                    or (sender.cursor is None and sender.kind is not _Kind.SUBGROUP)
+                ):
+                    return self._fin(sender)
+                break
+            objects += 1
+            if sender.fetch_writer is None:
+                prefix = self._subgroup_prefix(sender, nxt)
+            else:
+                prefix = self._fetch_prefix(sender.fetch_writer, nxt)
+            extra, payload = nxt.head, nxt.payload  # payload: a 1-D byte view (the store's)
+            total = len(prefix) + len(extra) + len(payload)
+            if total <= budget:  # the whole object: prefix, head and payload, no copy
+                chunks.append(prefix)
+                if extra:
+                    chunks.append(extra)
+                if payload:
+                    chunks.append(payload)
+                budget -= total
+            else:
+                partial.append(prefix)
+                if extra:
+                    partial.append(extra)
+                if payload:
+                    partial.append(payload)
         if not chunks:
             return None
         fin = False
-        if (
-            not sender.partial
-            and sender.fin_when_drained
-            and not sender.queue
-            and sender.cursor is None
-        ):
+        if not partial and sender.fin_when_drained and not sender.queue and sender.cursor is None:
             fin = True
             self._mark_finished(sender)
-        return WriteStream(stream=sender.stream, chunks=tuple(chunks), fin=fin)
+        return WriteStream.trusted(stream, tuple(chunks), fin)
 
     def _next_object(self, sender: _Sender) -> StoredObject | None:
         served = sender.served
         if sender.cursor is not None:
             filters = sender.filters if sender.filters is not None else served.filters
-            for obj in sender.cursor:
-                # fetch streams carry no Object Status (d21 11.4.1): ends are implied by
-                # gaps and FETCH_OK; status objects are skipped
-                if obj.status is ObjectStatus.NORMAL and filters.matches(obj):
+            for obj in sender.cursor:  # the snapshot holds Normal objects only
+                if filters.matches(obj):
                     return obj
             sender.cursor = None
             sender.fin_when_drained = True
@@ -489,6 +663,8 @@ class Publisher:
             obj = sender.queue.popleft()
             offered = sender.enqueued.popleft()
             served.queued_bytes -= obj.size
+            if sender.kind is not _Kind.SUBGROUP:
+                return obj  # a late-fill stream (A27): fills carry no delivery timeout
             timeout = served.object_timeout
             if timeout is not None and self.now - offered > timeout:
                 # d21 5.2: checked before handing the object over; reset, never reopen
@@ -500,31 +676,50 @@ class Publisher:
             return obj
         return None
 
-    def _encode(self, sender: _Sender, obj: StoredObject) -> list[bytes | memoryview]:
-        if sender.subgroup_writer is not None:
-            prefix = sender.subgroup_writer.object_prefix(
-                obj.location.object,
-                payload_length=obj.size,
-                status=obj.status,
-                properties=obj.properties,
-            )
+    @staticmethod
+    def _fetch_prefix(writer: FetchStreamWriter, obj: StoredObject) -> bytes:
+        """Everything of ``obj`` before its payload on a fetch or fill stream."""
+        return writer.object_prefix(
+            obj.location.group,
+            obj.location.object,
+            subgroup_id=obj.subgroup_id,
+            publisher_priority=obj.publisher_priority,
+            properties=obj.properties,
+            payload_length=obj.size,
+            datagram=obj.datagram,
+        )
+
+    def _subgroup_prefix(self, sender: _Sender, obj: StoredObject) -> bytes:
+        """An object on a subgroup stream (d21 11.3.1, wire reference 7.3): Object ID delta,
+        Properties length and properties (the header always sets the PROPERTIES flag here),
+        Payload Length, and the Object Status when the length is 0. The same bytes as
+        ``SubgroupStreamWriter.object_prefix`` (a test compares them); the objects come
+        from the store, valid and in ascending order, and the common prefixes (no
+        properties) are memoised by (delta, length)."""
+        oid = obj.location.object
+        nxt = sender.next_oid
+        delta = oid if nxt < 0 else oid - nxt
+        sender.next_oid = oid + 1
+        size = obj.size
+        props = obj.properties
+        if size and not props:
+            key = (delta, size)
+            prefix = self._prefixes.get(key)
+            if prefix is None:
+                prefix = encode_vi64(delta) + b"\x00" + encode_vi64(size)
+                if len(self._prefixes) >= _MAX_MEMO_PREFIXES:
+                    self._prefixes.clear()
+                self._prefixes[key] = prefix
+            return prefix
+        out = encode_vi64(delta)
+        if props:
+            pb = kvps_bytes(props)
+            out += encode_vi64(len(pb)) + pb
         else:
-            assert sender.fetch_writer is not None
-            prefix = sender.fetch_writer.object_prefix(
-                obj.location.group,
-                obj.location.object,
-                subgroup_id=obj.subgroup_id,
-                publisher_priority=obj.publisher_priority,
-                properties=obj.properties,
-                payload_length=obj.size,
-                datagram=obj.datagram,
-            )
-        chunks: list[bytes | memoryview] = [prefix]
-        if obj.head:
-            chunks.append(obj.head)
-        if obj.payload.nbytes:
-            chunks.append(obj.payload)
-        return chunks
+            out += b"\x00"
+        if size:
+            return out + encode_vi64(size)
+        return out + b"\x00" + encode_vi64(obj.status)
 
     def _datagram_size(self, served: _Served, obj: StoredObject) -> int:
         return sum(len(c) for c in self._datagram(served, obj).chunks)
@@ -572,12 +767,22 @@ class Publisher:
     def _on_object(self, served: _Served, obj: StoredObject) -> None:
         if served.done or served.ending is not None or not served.forward:
             return
-        window = served.window
-        if window is not None and not window.contains(obj.location):
+        if self.restoring is served.store:
+            # an evicted object fetched again: not new, never live; only a fill whose
+            # snapshot missed its group gets it
+            if obj.status is ObjectStatus.NORMAL:
+                self._late_fill(served, obj, restored=True)
             return
-        if not served.filters.matches(obj):
+        loc = obj.location
+        key = (loc.group, loc.object)
+        hi = served.win_hi
+        if key < served.win_lo or (hi is not None and key > hi):
+            if served.fills and key < served.win_lo and obj.status is ObjectStatus.NORMAL:
+                self._late_fill(served, obj)
             return
-        group = obj.location.group
+        if served.any_filter and not served.filters.matches(obj):
+            return
+        group = loc.group
         if served.current_group is not None and group != served.current_group:
             # the original publisher produces groups in order: earlier subgroups are complete
             for key, sender in list(served.senders.items()):
@@ -592,18 +797,21 @@ class Publisher:
                 return  # wire reference 7.6: too big for the path's datagrams: dropped
             sender = self._datagram_sender(served)
         else:
-            sender = self._subgroup_sender(served, obj)
+            sg = obj.subgroup_id
+            found = served.senders.get((group, sg or 0))
+            sender = found if found is not None else self._subgroup_sender(served, obj)
         if sender.finished:
             return  # a subgroup abandoned after a delivery timeout
-        was_idle = not sender.queue and not sender.partial
-        sender.queue.append(obj)
+        queue = sender.queue
+        was_idle = not queue and not sender.partial
+        queue.append(obj)
         sender.enqueued.append(self.now)
         if obj.status is not ObjectStatus.NORMAL and sender.complete_at is None:
             sender.complete_at = self.now  # the subgroup is complete: its timer starts
-        served.queued_bytes += obj.size
+        queued = served.queued_bytes = served.queued_bytes + obj.size
         if was_idle:  # a busy sender's key depends on its head object only: unchanged
             self._reschedule(sender)
-        if served.queued_bytes > self._config.max_queued_bytes_per_subscription:
+        if queued > self._max_queued:
             self._too_far_behind(served)
 
     def _subgroup_sender(self, served: _Served, obj: StoredObject) -> _Sender:
@@ -627,9 +835,8 @@ class Publisher:
         )
         sender = self._new_sender(served, _Kind.SUBGROUP, priority=obj.publisher_priority)
         sender.group_id, sender.subgroup_id = key
-        sender.subgroup_writer = SubgroupStreamWriter(header)
         assert sender.stream is not None
-        self._out.write(sender.stream, sender.subgroup_writer.header_bytes())
+        self._out.write(sender.stream, encode_subgroup_header(header))
         served.senders[key] = sender
         return sender
 
@@ -644,30 +851,63 @@ class Publisher:
     def _open_fill(
         self, served: _Served, via_request_id: int, inner: p.Parameters, largest: Location | None
     ) -> None:
-        """d21 3.4: fill range = inner LOCATION_FILTER, else the subscription's, by FETCH rules."""
-        lf = inner.get(p.LocationFilter) or served.rec.params.get(p.LocationFilter)
+        """d21 3.4: fill range = inner LOCATION_FILTER, else the subscription's (in effect,
+        after the update carrying the fill), by FETCH rules."""
+        lf = inner.get(p.LocationFilter) or served.location_filter
         rng = fetch_range(lf, largest)
         if rng is None:
             return  # empty range or start past Largest Object: no fill stream (wire ref. 6.2)
         order = _fill_or_fetch_order(inner, served.group_order)
-        sender = self._add_cursor_sender(
-            served, _Kind.FILL, via_request_id, rng.start, rng.end, order
-        )
+        snapshot = _snapshot(served.store, rng.start, rng.end, order)
+        sender = self._add_cursor_sender(served, _Kind.FILL, via_request_id, snapshot, order)
         # the fill inherits the subscription's range filters; inner ones override (d21 3.4)
         sender.filters = served.filters.apply_update(inner)
+        fills = served.fills
+        groups = frozenset(o.location.group for o in snapshot)
+        fills.append(_FillRecord(via_request_id, rng.start, rng.end, order, sender.filters, groups))
+        if len(fills) > _MAX_FILL_RECORDS:
+            del fills[0]
+
+    def _late_fill(self, served: _Served, obj: StoredObject, *, restored: bool = False) -> None:
+        """Ambiguity A27: ``obj`` reached the store after the subscription's fill was taken,
+        below its live start: send it fill-delivered if a fill range holds it (module
+        docstring). A ``restored`` object goes only to a fill whose snapshot lacked its
+        group. Status objects are not sent on fetch-format streams."""
+        loc = obj.location
+        for fill in reversed(served.fills):
+            if not (fill.start <= loc <= fill.end) or not fill.filters.matches(obj):
+                continue
+            if restored and loc.group in fill.groups:
+                return  # the fill had that group: the subscriber got the object then
+            sender = fill.late
+            if sender is None or sender.finished or not _follows(sender.last_loc, loc, fill.order):
+                sender = self._new_sender(served, _Kind.FILL, priority=0)
+                sender.fetch_writer = FetchStreamWriter(fill.request_id, fill.order)
+                sender.fin_when_drained = True
+                assert sender.stream is not None
+                self._out.write(sender.stream, sender.fetch_writer.header_bytes())
+                served.others.append(sender)
+                fill.late = sender
+            sender.last_loc = loc
+            sender.queue.append(obj)
+            sender.enqueued.append(self.now)
+            served.queued_bytes += obj.size
+            self._reschedule(sender)
+            if served.queued_bytes > self._config.max_queued_bytes_per_subscription:
+                self._too_far_behind(served)
+            return
 
     def _add_cursor_sender(
         self,
         served: _Served,
         kind: _Kind,
         request_id: int,
-        start: Location,
-        end: Location,
+        snapshot: list[StoredObject],
         order: GroupOrder,
     ) -> _Sender:
         sender = self._new_sender(served, kind, priority=0)
         sender.fetch_writer = FetchStreamWriter(request_id, order)
-        sender.cursor = served.store.objects_in(start, end, order)
+        sender.cursor = iter(snapshot)
         assert sender.stream is not None
         self._out.write(sender.stream, sender.fetch_writer.header_bytes())
         served.others.append(sender)
@@ -685,36 +925,36 @@ class Publisher:
             self._by_stream[sender.stream] = sender
             served.streams_opened += 1
         self._senders[sid] = sender
-        if served.object_timeout is not None or served.subgroup_timeout is not None:
-            self._timed.add(sid)
+        timed = served.object_timeout is not None or served.subgroup_timeout is not None
+        if timed and kind in (_Kind.SUBGROUP, _Kind.DATAGRAMS):
+            self._timed.add(sid)  # delivery timeouts apply to subscription-delivered objects
         return sender
 
     def _reschedule(self, sender: _Sender) -> None:
+        """Tell the scheduler where ``sender``'s head object stands (d21 5.1.2): the
+        :attr:`SendKey.rank` of its head, built directly (this runs after every pull)."""
         if sender.finished:
             return
-        ready = bool(
-            sender.partial or sender.queue or sender.cursor is not None or sender.fin_when_drained
-        )
-        if not ready:
+        queue = sender.queue
+        if not (queue or sender.partial or sender.cursor is not None or sender.fin_when_drained):
             self._sched.set_idle(sender.sid)
             return
-        self._seq += 1
-        head = sender.queue[0] if sender.queue else None
         served = sender.served
-        group = head.location.group if head is not None else sender.group_id
-        self._sched.set_ready(
+        kind = sender.kind
+        if queue:
+            head = queue[0]
+            group = head.location.group
+            pprio = head.publisher_priority
+            seq = head.seq
+        else:
+            group, pprio, seq = sender.group_id, 128, sender.sid
+        if served.group_order is GroupOrder.DESCENDING:
+            group = -group
+        delivery = _DELIVERY[kind]
+        self._sched.set_ready_rank(
             sender.sid,
-            SendKey.make(
-                subscriber_priority=served.priority,
-                publisher_priority=head.publisher_priority if head is not None else 128,
-                group_id=group,
-                descending=served.group_order is GroupOrder.DESCENDING,
-                fill=sender.kind in (_Kind.FILL, _Kind.FETCH),
-                datagram=sender.kind is _Kind.DATAGRAMS,
-                subgroup_or_object=sender.subgroup_id,
-                seq=head.seq if head is not None else sender.sid,
-                flow=served.rec.request_id,
-            ),
+            served.rec.request_id,
+            (served.priority, pprio, 0, group, delivery, sender.subgroup_id, seq),
         )
 
     # -- helpers --------------------------------------------------------------------------

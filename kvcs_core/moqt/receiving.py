@@ -38,7 +38,7 @@ from kvcs_core.moqt.events import (
     RequestKind,
 )
 from kvcs_core.moqt.output import Output
-from kvcs_core.moqt.requests import RequestRecord
+from kvcs_core.moqt.requests import RequestRecord, RequestState
 from kvcs_core.moqt.transport_io import AbortKind, StreamAborted, StreamRef
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import GroupOrder, ObjectStatus, PropertyType, StreamResetCode
@@ -68,6 +68,9 @@ class _RxStream:
     group_id: int | None = None
     subgroup_id: int | None = None
     fin: bool = False
+    priority: int = -1
+    """Bound subgroup stream: its objects' Publisher Priority (the header's, else the
+    track's default); -1 until bound (the per-Object fast path keys on it)."""
 
 
 @attrs.define(eq=False)
@@ -213,7 +216,8 @@ class DataReceiver:
             if fin:
                 del self.streams[s]
             return
-        self._deliver(s, st, items)
+        if items:
+            self._deliver(s, st, items)
         if fin and not st.held and s in self.streams:
             self._ended(s, st, None)
 
@@ -258,6 +262,8 @@ class DataReceiver:
                 fill = rec.params.get(p.FillParameters)
                 return _fill_order(fill, rec.group_order) if fill else rec.group_order
             return rec.group_order
+        if rec is not None and rec.kind is RequestKind.PUBLISH:
+            return rec.group_order  # A10: a fill named by the peer's PUBLISH
         return GroupOrder.ASCENDING
 
     def _bind_fetch(self, st: _RxStream, header: FetchHeader) -> None:
@@ -266,6 +272,9 @@ class DataReceiver:
         if rec is not None and rec.mine and rec.kind is RequestKind.FETCH:
             st.request, st.delivery = rec, Delivery.FETCH
         elif rec is not None and rec.mine and rec.kind is RequestKind.SUBSCRIBE:
+            st.request, st.delivery = rec, Delivery.FILL
+        elif rec is not None and not rec.mine and rec.kind is RequestKind.PUBLISH:
+            # a fill on the peer's PUBLISH, named by it (B2; Ambiguity A10)
             st.request, st.delivery = rec, Delivery.FILL
         elif rid in self._update_owner or rid in self._fill_orders:
             owner = self._requests.get(self._update_owner.get(rid, -1))
@@ -287,11 +296,41 @@ class DataReceiver:
         st.request = sub.request
         st.via_request_id = sub.request.request_id
         st.delivery = Delivery.SUBSCRIPTION
+        prio = header.publisher_priority
+        st.priority = prio if prio is not None else sub.default_priority
         rid = sub.request.request_id
         self._seen[rid] = self._seen.get(rid, 0) + 1
 
     def _deliver(self, s: StreamRef, st: _RxStream, items: list[DataStreamItem]) -> None:
         for item in items:
+            rec = st.request
+            if (
+                type(item) is SubgroupObject
+                and st.priority >= 0
+                and rec is not None
+                and (rec.state is _PENDING or rec.state is _ESTABLISHED)
+            ):
+                # the per-Object path: an object of a bound subgroup stream of a live request
+                header = st.header
+                assert header is not None
+                sg = st.subgroup_id
+                if sg is None:  # SUBGROUP_ID_MODE 0b01 (Ambiguity A18)
+                    sg = st.subgroup_id = item.object_id
+                rid = rec.request_id
+                self._out.events.append(
+                    ObjectReceived.trusted(
+                        rid,
+                        Delivery.SUBSCRIPTION,
+                        Location.trusted(header.group_id, item.object_id),
+                        sg,
+                        st.priority,
+                        item.status,
+                        item.properties or (),
+                        item.payload,
+                        rid,
+                    )
+                )
+                continue
             if isinstance(item, SubgroupHeader):
                 self._bind_subgroup(st, item)
                 if st.request is None:
@@ -402,6 +441,10 @@ class DataReceiver:
         rec = st.request
         if rec is not None and rec.request_id in self._draining:
             self._check_drained(rec)
+
+
+_PENDING = RequestState.PENDING
+_ESTABLISHED = RequestState.ESTABLISHED
 
 
 def _we_subscribe(rec: RequestRecord) -> bool:

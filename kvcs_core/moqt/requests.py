@@ -91,10 +91,28 @@ class RequestRecord:
     resolved (d21 section 8.9)."""
     announced: set[tuple[bytes, ...]] = attrs.field(factory=set)
     """SUBSCRIBE_NAMESPACE: suffixes announced and not yet withdrawn."""
+    pending_prefixes: dict[int, TrackNamespace] = attrs.field(factory=dict)
+    """Our REQUEST_UPDATEs carrying TRACK_NAMESPACE_PREFIX, by update ID: the new prefix
+    applies from their REQUEST_OK on (wire reference 5.8)."""
 
     @property
     def finished(self) -> bool:
         return self.state in (RequestState.DONE, RequestState.FAILED)
+
+    def change_prefix(self, prefix: TrackNamespace) -> None:
+        """A TRACK_NAMESPACE_PREFIX update took effect: suffixes are relative to ``prefix``
+        from now on (wire reference 5.8). The namespaces announced so far are kept,
+        re-expressed against it; those outside it left the request's scope."""
+        old = self.namespace
+        self.namespace = prefix
+        if old is None or not self.announced:
+            return
+        kept: set[tuple[bytes, ...]] = set()
+        for suffix in self.announced:
+            full = old + TrackNamespace(suffix)
+            if prefix.is_prefix_of(full):
+                kept.add(full.suffix_after(prefix).fields)
+        self.announced = kept
 
 
 @attrs.define

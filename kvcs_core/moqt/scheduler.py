@@ -56,7 +56,13 @@ should pop, send, then ``set_ready`` (more to send) or leave the sender out.
 
 Complexity: every operation is O(log n) amortised. Both levels are binary
 heaps with lazy deletion (a stale entry is skipped when it surfaces), compacted
-when stale entries outnumber live ones; memory stays O(ready senders).
+when stale entries outnumber live ones; memory stays O(ready senders). A
+sender that becomes ready while no other is (the usual case of a session that
+serves one subscription: the pump drains it, then the next object arrives) is
+held aside as the *solo* sender, out of both heaps: it is the best by
+definition, and it is moved into the heaps, with the round-robin stamp it got
+when it became ready, as soon as another sender becomes ready. The order is
+the same either way.
 """
 
 from __future__ import annotations
@@ -213,13 +219,16 @@ class Scheduler:
     """
 
     def __init__(self) -> None:
-        self._senders: dict[int, tuple[SendKey, int]] = {}  # sender -> (key, entry number)
+        # sender -> (flow, entry number, its SendKey or None when set by rank)
+        self._senders: dict[int, tuple[Hashable, int, SendKey | None]] = {}
         self._flows: dict[Hashable, _Flow] = {}
         # (subscriber priority, publisher priority, stamp, flow order, token, flow id)
         self._global: list[tuple[int, int, int, int, int, Hashable]] = []
         self._entries = 0  # unique numbers for heap entries (versions)
         self._flow_orders = 0
         self._clock = 0  # round-robin clock, advanced by every pop
+        self._solo: tuple[int, Hashable, _Rank, SendKey | None, int] | None = None
+        """(sender, flow, rank, key, stamp) of the only ready sender, kept out of the heaps."""
 
     # --- getters ---------------------------------------------------------------
 
@@ -231,12 +240,15 @@ class Scheduler:
         return sender_id in self._senders
 
     def key_of(self, sender_id: int) -> SendKey | None:
-        """The key of a ready sender, or ``None``."""
+        """The key of a ready sender (``None``: not ready, or made ready by rank)."""
         entry = self._senders.get(sender_id)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry[2]
 
     def senders_of(self, flow: Hashable) -> Iterator[int]:
         """The ready senders of ``flow``, in no particular order (a snapshot)."""
+        solo = self._solo
+        if solo is not None:
+            return iter([solo[0]] if solo[1] == flow else [])
         f = self._flows.get(flow)
         if f is None:
             return iter(())
@@ -244,6 +256,8 @@ class Scheduler:
 
     def peek_best(self) -> int | None:
         """The sender that :meth:`pop_best` would return, without removing it (not a turn)."""
+        if self._solo is not None:
+            return self._solo[0]
         top = self._top_flow()
         return None if top is None else top[1].heap[0][2]
 
@@ -251,21 +265,53 @@ class Scheduler:
 
     def set_ready(self, sender_id: int, key: SendKey) -> None:
         """Make ``sender_id`` ready with ``key``, or replace its key (it may change flow)."""
+        self._ready(sender_id, key.flow, key.rank, key)
+
+    def set_ready_rank(self, sender_id: int, flow: Hashable, rank: _Rank) -> None:
+        """:meth:`set_ready` from the parts of a key the order uses: ``rank`` is what
+        :attr:`SendKey.rank` would be (the caller vouches for its ranges). For the data
+        pump, which re-keys a sender after every pull: no key object is built."""
+        self._ready(sender_id, flow, rank, None)
+
+    def _ready(self, sender_id: int, fid: Hashable, rank: _Rank, key: SendKey | None) -> None:
+        solo = self._solo
+        if solo is not None:
+            if solo[0] == sender_id:  # re-keyed: still the only one
+                self._solo = (sender_id, fid, rank, key, solo[4] if solo[1] == fid else self._clock)
+                self._senders[sender_id] = (fid, -1, key)
+                return
+            self._unsolo(solo)
+        elif not self._senders:
+            self._solo = (sender_id, fid, rank, key, self._clock)
+            self._senders[sender_id] = (fid, -1, key)
+            return
+        self._push(sender_id, fid, rank, key, None)
+
+    def _unsolo(self, solo: tuple[int, Hashable, _Rank, SendKey | None, int]) -> None:
+        """Another sender becomes ready: the solo one goes into the heaps first."""
+        self._solo = None
+        del self._senders[solo[0]]
+        self._push(solo[0], solo[1], solo[2], solo[3], solo[4])
+
+    def _push(
+        self, sender_id: int, fid: Hashable, rank: _Rank, key: SendKey | None, stamp: int | None
+    ) -> None:
         old = self._senders.pop(sender_id, None)
+        flows = self._flows
         if old is not None:
-            if old[0].flow == key.flow:
-                self._flows[key.flow].live -= 1  # same flow: keep its round-robin place
+            if old[0] == fid:
+                flows[fid].live -= 1  # same flow: keep its round-robin place
             else:
-                self._drop(old[0].flow)
-        flow = self._flows.get(key.flow)
+                self._drop(old[0])
+        flow = flows.get(fid)
         if flow is None:
-            flow = self._flows[key.flow] = _Flow(self._flow_orders, self._clock)
+            flow = flows[fid] = _Flow(self._flow_orders, self._clock if stamp is None else stamp)
             self._flow_orders += 1
-        self._entries += 1
-        self._senders[sender_id] = (key, self._entries)
-        heapq.heappush(flow.heap, (key.rank, self._entries, sender_id))
+        self._entries = entry = self._entries + 1
+        self._senders[sender_id] = (fid, entry, key)
+        heapq.heappush(flow.heap, (rank, entry, sender_id))
         flow.live += 1
-        self._refresh(key.flow, flow)
+        self._refresh(fid, flow)
 
     def update_key(self, sender_id: int, key: SendKey) -> bool:
         """Replace the key of a ready sender; ``False`` (and nothing done) if it is not ready.
@@ -282,7 +328,11 @@ class Scheduler:
         """Take ``sender_id`` out of the queue (nothing sendable now); unknown ids are ignored."""
         old = self._senders.pop(sender_id, None)
         if old is not None:
-            self._drop(old[0].flow)
+            solo = self._solo
+            if solo is not None and solo[0] == sender_id:
+                self._solo = None
+            else:
+                self._drop(old[0])
 
     def pop_best(self) -> int | None:
         """Remove and return the sender that sends next, or ``None`` when none is ready.
@@ -290,6 +340,12 @@ class Scheduler:
         The sender is no longer ready: report it again with :meth:`set_ready`
         once it has a new head object (or :meth:`set_idle`, a no-op, if not).
         """
+        solo = self._solo
+        if solo is not None:
+            self._solo = None
+            del self._senders[solo[0]]
+            self._clock += 1
+            return solo[0]
         top = self._top_flow()
         if top is None:
             return None
@@ -306,6 +362,7 @@ class Scheduler:
 
     def clear(self) -> None:
         """Forget every sender."""
+        self._solo = None
         self._senders.clear()
         self._flows.clear()
         self._global.clear()

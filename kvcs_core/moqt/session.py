@@ -65,7 +65,7 @@ from kvcs_core.moqt.transport_io import (
     TransportEvent,
     WriteStream,
 )
-from kvcs_core.moqt.windows import request_ranges
+from kvcs_core.moqt.windows import RangeFilterSet, request_ranges
 from kvcs_core.wire import messages as m
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import (
@@ -77,6 +77,7 @@ from kvcs_core.wire.codes import (
 from kvcs_core.wire.errors import NEED_MORE, CodecError
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
 from kvcs_core.wire.objects import UniStreamKind, peek_uni_stream_type
+from kvcs_core.wire.scopes import PUBLISH_PARAMS
 
 if TYPE_CHECKING:
     from kvcs_core.moqt.track_store import TrackStore
@@ -191,9 +192,26 @@ class MoqtSession(PeerRequests, OwnRequests):
         ]
         return min(deadlines, default=None)
 
+    def advance(self, now: float) -> None:
+        """Move the session's clock forward to ``now`` without firing anything (an earlier
+        ``now`` does nothing). Call it before appending to a store the session serves
+        after a quiet spell: an object's OBJECT_DELIVERY_TIMEOUT runs from when it was
+        handed over (d21 5.2), which the session knows only from the latest ``now`` it
+        saw. Timers still fire only in :meth:`handle_timer`."""
+        self._last_now = max(self._last_now, now)
+        publisher = self.publisher
+        publisher.now = max(publisher.now, now)
+
+    def restoring(self, store: TrackStore | None) -> None:
+        """Declare that objects appended to ``store`` from now until ``restoring(None)`` are
+        *restores*: objects a cache evicted and fetched again, which every subscription
+        served from ``store`` either already received or must get on a late fill stream
+        (:mod:`publishing` module docstring). Pure; for caches such as a relay."""
+        self.publisher.restoring = store
+
     def poll_data(self, max_bytes: int) -> WriteStream | SendDatagram | None:
         """The next object data to send, at most ``max_bytes`` of it (pull-based, R9)."""
-        if self._closed or not self.setup_complete:
+        if self._closed or self._peer_setup is None or not self._started:
             return None
         return self.publisher.poll_data(max_bytes, self._last_now)
 
@@ -201,8 +219,24 @@ class MoqtSession(PeerRequests, OwnRequests):
 
     def handle_transport_event(self, event: TransportEvent, now: float) -> None:
         """Feed one transport event. Never raises because of peer input."""
-        self._advance(now)
+        if now != self._last_now:
+            self._advance(now)
         if self._closed:
+            return
+        if (
+            type(event) is StreamData
+            and self._peer_setup is not None
+            and self._started
+            and event.stream in self.receiver.streams
+        ):
+            # the per-Object path: bytes of a data stream already classified (one choke
+            # point all the same: a violation closes the session, nothing escapes)
+            try:
+                self.receiver.on_stream_data(event.stream, event.data, event.fin)
+            except PeerViolation as v:
+                self._close(v.code, v.reason, ev.Initiator.LOCAL)
+            except CodecError as e:
+                self._close(e.code, str(e), ev.Initiator.LOCAL)
             return
         self._guard(lambda: self._dispatch(event, now), now)
         if len(self.requests) >= self._sweep_at:
@@ -240,8 +274,8 @@ class MoqtSession(PeerRequests, OwnRequests):
         cfg = self.config
         client = cfg.role is Role.CLIENT
         setup = m.Setup(
-            path=cfg.path if client else None,
-            authority=cfg.authority if client else None,
+            path=cfg.path if client and not cfg.webtransport else None,
+            authority=cfg.authority if client and not cfg.webtransport else None,
             max_filter_ranges=cfg.max_filter_ranges,
             max_request_updates=cfg.max_request_updates,
             max_auth_token_cache_size=cfg.max_auth_token_cache_size or None,
@@ -370,6 +404,9 @@ class MoqtSession(PeerRequests, OwnRequests):
         update_id = self._take_request_id()
         rec.pending_updates.append(update_id)
         self._update_owner[update_id] = request_id
+        prefix = params.get(p.TrackNamespacePrefix)
+        if prefix is not None:
+            rec.pending_prefixes[update_id] = prefix.namespace
         self._out.send(rec.stream, msg)
         if rec.kind in (ev.RequestKind.SUBSCRIBE, ev.RequestKind.PUBLISH):
             self.receiver.note_update(rec, update_id, params)
@@ -541,34 +578,76 @@ class MoqtSession(PeerRequests, OwnRequests):
         forward: bool = True,
         track_alias: int | None = None,
         extra: Iterable[p.Parameter] = (),
+        group_order: GroupOrder | None = None,
+        range_filters: Iterable[p.Parameter] = (),
+        include_properties: bool = True,
     ) -> int:
         """PUBLISH (d21 9.8): offer ``store``'s track to the peer. Objects from the Next
         Object on flow at once when ``forward`` (even before PUBLISH_OK); with
         ``forward=False`` the subscriber starts them with a REQUEST_UPDATE (Ambiguity A15).
-        GROUP_ORDER and FORWARD are written explicitly (d21 9.18.1)."""
+        GROUP_ORDER and FORWARD are written explicitly (d21 9.18.1).
+
+        Args:
+            extra: more initial settings the PUBLISH carries (SUBSCRIBER_PRIORITY, delivery
+                timeouts, LOCATION_FILTER: wire reference 4.3), e.g. a SUBSCRIBE_TRACKS's.
+            group_order: the subscription's group order (default: the track's).
+            range_filters: range filters applied to the objects sent, not sent (a PUBLISH
+                cannot carry them; those of a SUBSCRIBE_TRACKS, wire reference 5.1).
+            include_properties: ``False`` sends empty Track Properties (INCLUDE_PROPERTIES
+                0 in a SUBSCRIBE_TRACKS, wire reference 5.7).
+
+        Raises:
+            LocalProtocolError: a parameter a PUBLISH cannot carry, or invalid filters.
+        """
+        order = group_order if group_order is not None else store.group_order
         items: list[p.Parameter] = [
             p.Forward(1 if forward else 0),
-            p.GroupOrderParam(store.group_order),
+            p.GroupOrderParam(order),
             *extra,
         ]
         if store.largest is not None:
             items.append(p.LargestObject(store.largest))
-        params = p.Parameters(items)
+        try:
+            params = p.Parameters(items)
+            p.check_scope(params, PUBLISH_PARAMS, "PUBLISH")
+            filters = RangeFilterSet.from_params(range_filters)
+        except (CodecError, ValueError) as e:
+            raise LocalProtocolError(f"bad PUBLISH parameters: {e}") from None
+        props = store.track_properties if include_properties else ()
         alias = track_alias if track_alias is not None else self.publisher.take_alias()
         rid = self._send_request(
             ev.RequestKind.PUBLISH,
-            lambda rid: m.Publish(
-                rid, store.name.namespace, store.name.name, alias, params, store.track_properties
-            ),
+            lambda rid: m.Publish(rid, store.name.namespace, store.name.name, alias, params, props),
             now,
             track=store.name,
             params=params,
-            group_order=store.group_order,
+            group_order=order,
         )
         rec = self.requests[rid]
         rec.track_alias = alias
-        self.publisher.start_publish(rec, store, now, alias)
+        self.publisher.start_publish(rec, store, now, alias, filters)
         return rid
+
+    def open_publish_fill(self, request_id: int, fill: p.Parameters, *, now: float) -> bool:
+        """Serve FILL_PARAMETERS on the subscription our PUBLISH created (Ambiguity A10:
+        a SUBSCRIBE_TRACKS asked for them), once it is established with Forward 1: one
+        fill named by the PUBLISH's Request ID, ending at the Largest Object the PUBLISH
+        announced. Returns False when there is nothing to fill.
+
+        Raises:
+            LocalProtocolError: ``request_id`` is not an established PUBLISH of ours.
+        """
+        self._advance(now)
+        self._check_ready()
+        rec = self.requests.get(request_id)
+        if (
+            rec is None
+            or not rec.mine
+            or rec.kind is not ev.RequestKind.PUBLISH
+            or rec.state is not RequestState.ESTABLISHED
+        ):
+            raise LocalProtocolError(f"no established PUBLISH {request_id} of ours")
+        return self.publisher.open_publish_fill(rec, fill)
 
     def accept_publish(self, request_id: int, *, now: float, expires_ms: int | None = None) -> None:
         """PUBLISH_OK (REQUEST_OK answering PUBLISH, only EXPIRES allowed; d21 9.3)."""
@@ -579,9 +658,20 @@ class MoqtSession(PeerRequests, OwnRequests):
         rec.state = RequestState.ESTABLISHED
         self._answered(rec, now)
 
-    def subscribe_tracks(self, prefix: TrackNamespace, *, now: float, forward: bool = True) -> int:
-        """SUBSCRIBE_TRACKS (d21 9.18): the peer PUBLISHes every matching track to us."""
-        items = [] if forward else [p.Forward(0)]
+    def subscribe_tracks(
+        self,
+        prefix: TrackNamespace,
+        *,
+        now: float,
+        forward: bool = True,
+        extra: Iterable[p.Parameter] = (),
+    ) -> int:
+        """SUBSCRIBE_TRACKS (d21 9.18): the peer PUBLISHes every matching track to us.
+        ``extra``: more SUBSCRIBE parameters (the initial settings of each PUBLISH, B3;
+        Ambiguity A10: send what the peer is known to accept)."""
+        items: list[p.Parameter] = [*extra]
+        if not forward:
+            items.append(p.Forward(0))
         return self._send_request(
             ev.RequestKind.SUBSCRIBE_TRACKS,
             lambda rid: m.SubscribeTracks(rid, prefix, p.Parameters(items)),
@@ -857,6 +947,10 @@ class MoqtSession(PeerRequests, OwnRequests):
             raise PeerViolation(SessionErrorCode.INVALID_PATH, "PATH from a server")
         if self.config.role is Role.CLIENT and setup.authority is not None:
             raise PeerViolation(SessionErrorCode.INVALID_AUTHORITY, "AUTHORITY from a server")
+        if self.config.webtransport and setup.path is not None:
+            raise PeerViolation(SessionErrorCode.INVALID_PATH, "PATH over WebTransport")
+        if self.config.webtransport and setup.authority is not None:
+            raise PeerViolation(SessionErrorCode.INVALID_AUTHORITY, "AUTHORITY over WebTransport")
         self.setup_tokens = self.tokens.resolve(setup.authorization_tokens, in_setup=True)
         self._peer_setup = setup
         if self._started:

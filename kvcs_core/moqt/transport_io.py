@@ -126,6 +126,22 @@ class WriteStream:
     def nbytes(self) -> int:
         return sum(len(c) if isinstance(c, bytes) else c.nbytes for c in self.chunks)
 
+    @classmethod
+    def trusted(
+        cls, stream: StreamRef, chunks: tuple[bytes | memoryview, ...], fin: bool
+    ) -> WriteStream:
+        """Build from values the session made itself (the data pump's per-pull path)."""
+        w: WriteStream = object.__new__(cls)
+        _WS_STREAM(w, stream)
+        _WS_CHUNKS(w, chunks)
+        _WS_FIN(w, fin)
+        return w
+
+
+_WS_STREAM = WriteStream.__dict__["stream"].__set__
+_WS_CHUNKS = WriteStream.__dict__["chunks"].__set__
+_WS_FIN = WriteStream.__dict__["fin"].__set__
+
 
 @attrs.frozen(kw_only=True)
 class AbortStream:

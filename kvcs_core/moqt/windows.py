@@ -370,6 +370,11 @@ class RangeFilterSet:
         return not self.filters
 
     @property
+    def filters_objects(self) -> bool:
+        """Some object-level filter exists (else :meth:`matches` is always True)."""
+        return bool(self._object_sets)
+
+    @property
     def total_ranges(self) -> int:
         """Number of ranges over all filters (checked against MAX_FILTER_RANGES)."""
         return sum(len(f.ranges) for f in self.filters)

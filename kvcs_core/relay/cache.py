@@ -37,17 +37,20 @@ served downstream by the sessions with ``accept_subscribe`` / ``accept_fetch``
   ====  ==========================================================================
 
   A track that a waiting request needs right now (an upstream FETCH in flight,
-  a SUBSCRIBE waiting for evicted groups), or that served a downstream request
-  less than ``RelayConfig.pin_time`` ago (the session reads fills and FETCH
-  responses from the store lazily: a group evicted under them would be missing
-  from that response), is not evictable at all (the relay says so through the
-  tier function). "Used" means a downstream request
-  was served from the track. An evicted group becomes *unknown*, not
-  non-existent (d21 section 7.1): Largest Object is kept, and the relay
-  re-fetches evicted groups upstream when a request needs them. A session
-  still sending an evicted object keeps it alive through its own queue (the
-  budget counts what the cache holds, not what sessions are still writing).
-  When every remaining group is protected the cache may stay above budget.
+  a SUBSCRIBE waiting for evicted groups) is not evictable at all (the relay
+  says so through the tier function). "Used" means a downstream request was
+  served from the track. An evicted group becomes *unknown*, not non-existent
+  (d21 section 7.1): Largest Object is kept, and the relay re-fetches evicted
+  groups upstream when a request needs them.
+* **Eviction never shortens a response in progress.** A session serving a
+  fill or a FETCH takes a *snapshot* of the range when it is processed (the
+  list of stored objects, by reference; :mod:`kvcs_core.moqt.publishing`), and
+  a live subscription queues the objects it still has to send: eviction only
+  drops the cache's own index, the objects being sent keep their payload
+  buffers alive until written. The budget counts what the cache holds, not
+  what sessions are still writing (bounded per session by its queue limit, and
+  for snapshots by the ranges being served). When every remaining group is
+  protected the cache may stay above budget.
 """
 
 from __future__ import annotations
@@ -165,7 +168,6 @@ class Cache:
         """
         store = entry.store
         before_n = len(store)
-        before_b = store.total_bytes
         payload = e.payload
         size = payload.nbytes
         self.received_bytes += size
@@ -187,7 +189,8 @@ class Cache:
         if len(store) == before_n:
             entry.duplicates += 1
             return False
-        total = self.total_bytes = self.total_bytes + store.total_bytes - before_b
+        # a new object holds its payload (no head: the relay appends what it received)
+        total = self.total_bytes = self.total_bytes + size
         self.peak_bytes = max(self.peak_bytes, total)
         return True
 

@@ -62,11 +62,11 @@ class RelayConfig:
     publish_done_grace: float = attrs.field(default=2.0, validator=_non_negative)
     """After an upstream PUBLISH_DONE, how long to wait for the data streams it counts
     (d21 section 9.9, Stream Count) before ending the downstream subscriptions."""
-    pin_time: float = attrs.field(default=1.0, validator=_non_negative)
-    """After a downstream request is served from a track, its groups are not evicted for
-    this long: the session reads a fill or FETCH range from the store lazily, so a group
-    evicted under it would be missing from that response (the cache may pass its budget
-    meanwhile)."""
+    idle_forward: bool = True
+    """Forward State of an upstream subscription while the track has no downstream
+    subscription at all. ``True`` keeps the cache warm for late joiners and FETCHes (the
+    relay's choice, wire reference 10); with downstream subscriptions the upstream
+    forwards exactly when one of them does (:mod:`kvcs_core.relay.upstream`)."""
     upstream_priority: int = attrs.field(default=128)
     """SUBSCRIBER_PRIORITY of the relay's own upstream SUBSCRIBEs and FETCHes."""
     max_tracks: int = attrs.field(default=100_000, validator=_positive)

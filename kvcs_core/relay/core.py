@@ -16,14 +16,21 @@ router, the timers) and the steps used on both sides of the relay:
   their fill reads the store up to Largest Object, their live part starts
   right after it, and the store's listener hands them every later object once
   (d21 section 7.2: "deliver each object to every matching downstream
-  subscription"). With no upstream left, a waiting SUBSCRIBE is served from
-  the cache and ended at once with the track's terminal status (its fill
-  still delivers the cached objects first); with no cache either it is
-  refused (the upstream's error code, or DOES_NOT_EXIST).
+  subscription"). Objects that still reach the store later below its live
+  start (out-of-order upstream streams, a fill timeout) follow on a late fill
+  stream (A27, :mod:`kvcs_core.moqt.publishing`). A SUBSCRIBE with Forward 0
+  needs no whole cache (no object, no fill: wire reference 6 item 4) and is
+  accepted as soon as an upstream subscription is established. With no
+  upstream left, a waiting SUBSCRIBE is served from the cache and ended at
+  once with the track's terminal status (its fill still delivers the cached
+  objects first); with no cache either it is refused (the upstream's error
+  code, or DOES_NOT_EXIST).
 * :meth:`RelayCore._append` feeds one upstream object into the cache and
-  keeps it within budget; a malformed track (d21 section 12.1, wire
-  reference 7.10) ends every downstream request of the track with
-  MALFORMED_TRACK and drops its cache (:meth:`RelayCore._malformed`).
+  keeps it within budget (:meth:`RelayCore._restore` for an evicted object
+  fetched again, which the downstream sessions must not send twice); a
+  malformed track (d21 section 12.1, wire reference 7.10) ends every
+  downstream request of the track with MALFORMED_TRACK and drops its cache
+  (:meth:`RelayCore._malformed`).
 """
 
 from __future__ import annotations
@@ -147,6 +154,14 @@ class RelayCore:
         self._timed.pop(victim, None)
         return True
 
+    def _want_forward(self, track: Track) -> bool:
+        """The Forward State the track's upstream subscriptions should have: 1 when a
+        downstream subscription forwards (wire reference 10), else 0, and with no
+        downstream subscription at all ``RelayConfig.idle_forward``."""
+        if not track.pending and not track.served:
+            return self.config.idle_forward
+        return any(s.forward for s in track.pending) or any(s.forward for s in track.served)
+
     def _terminal(self, track: Track) -> tuple[int, str]:
         """The status a downstream subscription served without upstream ends with."""
         if track.terminal is not None:
@@ -186,9 +201,16 @@ class RelayCore:
         if session.is_closed:
             return
         rec = session.requests.get(sub.request_id)
-        if rec is None or rec.state is not RequestState.ESTABLISHED or rec.local_fin:
+        if rec is None or rec.local_fin:
             return
-        session.end_subscription(sub.request_id, status, reason, now=self._now)
+        # our PUBLISH may end before its PUBLISH_OK (d21 9.8)
+        if rec.state is RequestState.ESTABLISHED or (
+            sub.published and rec.state is RequestState.PENDING
+        ):
+            session.end_subscription(sub.request_id, status, reason, now=self._now)
+
+    def _track_live(self, track: Track) -> None:
+        """Hook: an upstream subscription or PUBLISH of ``track`` was established."""
 
     def _serve_pending(self, track: Track) -> None:
         """Answer the downstream SUBSCRIBEs waiting on ``track`` (module docstring)."""
@@ -204,10 +226,14 @@ class RelayCore:
             return
         active = track.active
         entry = track.entry
+        ready = True
         if active:
-            delivering = any(f.delivering for f in track.feeds)
-            if not delivering or not (track.whole or track.forced):
-                return  # wait: SUBSCRIBE_OK, the upstream fill, or its timeout
+            if not any(f.delivering for f in track.feeds):
+                return  # wait for SUBSCRIBE_OK (or the PUBLISH)
+            # a forwarding SUBSCRIBE waits for the cache to be whole (the upstream fill,
+            # or its timeout); one with Forward 0 gets no object and no fill (wire ref. 6
+            # item 4): it is answered at once, with the Largest Object known now
+            ready = track.whole or track.forced
         if entry is None:
             code, reason = track.last_error or (
                 RequestErrorCode.DOES_NOT_EXIST,
@@ -223,40 +249,40 @@ class RelayCore:
                 track.pending.remove(sub)
                 sub.peer.subscriptions.pop(sub.request_id, None)
                 continue
-            groups = self._evicted_needed(entry, sub.params)
+            if not ready and sub.forward:
+                continue
+            groups = self._evicted_needed(entry, sub.params) if sub.forward else None
             if groups is not None and self._refetch(track, groups):
                 continue  # the fill would cross evicted groups: get them back first
             track.pending.remove(sub)
             sub.peer.session.accept_subscribe(sub.request_id, entry.store, now=self._now)
-            self._served_from(track, reads=self._fill_range(entry, sub.params) is not None)
+            self._cache.touch(entry)
             if active:
                 track.served[sub] = None
             else:
                 status, reason = self._terminal(track)
                 self._end(sub, status, reason)
 
-    def _served_from(self, track: Track, *, reads: bool) -> None:
-        """A downstream request was answered from the track's cache: LRU order, and a pin
-        when the session will read a range of the store (a fill or a FETCH response)."""
-        if track.entry is not None:
-            self._cache.touch(track.entry)
-        if reads:
-            track.pinned_until = max(track.pinned_until, self._now + self.config.pin_time)
-
     @staticmethod
-    def _fill_range(entry: CacheEntry, params: p.Parameters) -> FetchRange | None:
-        """The fill range a SUBSCRIBE's FILL_PARAMETERS asks for now (d21 3.4, wire ref. 6)."""
+    def _fill_range(
+        entry: CacheEntry, params: p.Parameters, lf: p.LocationFilter | None = None
+    ) -> FetchRange | None:
+        """The fill range FILL_PARAMETERS in ``params`` asks for now (d21 3.4, wire ref. 6):
+        the inner LOCATION_FILTER, else ``lf`` (the subscription's, after the update that
+        carries the fill), else the one in ``params``."""
         fill = params.get(p.FillParameters)
         if fill is None:
             return None
-        lf = fill.params.get(p.LocationFilter) or params.get(p.LocationFilter)
-        return fetch_range(lf, entry.store.largest)
+        sub_lf = lf if lf is not None else params.get(p.LocationFilter)
+        return fetch_range(fill.params.get(p.LocationFilter) or sub_lf, entry.store.largest)
 
-    def _evicted_needed(self, entry: CacheEntry, params: p.Parameters) -> range | None:
-        """The evicted groups a SUBSCRIBE's fill would cross."""
+    def _evicted_needed(
+        self, entry: CacheEntry, params: p.Parameters, lf: p.LocationFilter | None = None
+    ) -> range | None:
+        """The evicted groups the fill requested in ``params`` would cross."""
         if not entry.evicted:
             return None
-        rng = self._fill_range(entry, params)
+        rng = self._fill_range(entry, params, lf)
         if rng is None:
             return None
         gs = [g for g in entry.evicted if rng.start.group <= g <= rng.end.group]
@@ -300,15 +326,26 @@ class RelayCore:
         if self._cache.total_bytes > self._cache.budget:
             self._cache.evict(self._tier)
 
+    def _restore(self, track: Track, entry: CacheEntry, e: ObjectReceived) -> None:
+        """An object of an evicted group fetched again (a fill or a FETCH): the downstream
+        sessions treat it as a restore, not a new object (``MoqtSession.restoring``), so
+        live subscribers that had it do not get it twice; fills that missed it do."""
+        sessions = {id(sub.peer.session): sub.peer.session for sub in track.served}
+        for session in sessions.values():
+            session.restoring(entry.store)
+        try:
+            self._append(track, entry, e)
+        finally:
+            for session in sessions.values():
+                session.restoring(None)
+
     def _tier(self, entry: CacheEntry) -> tuple[int, int | None] | None:
         """Eviction tier of a track (cache module docstring); None: not now."""
         track = self._tracks.get(entry.store.name)
         if track is None:
             return 0, None
-        if (
-            track.fetches
-            or track.pinned_until > self._now
-            or any(self._evicted_needed(entry, s.params) is not None for s in track.pending)
+        if track.fetches or any(
+            self._evicted_needed(entry, s.params) is not None for s in track.pending
         ):
             return None  # a request waits for this track's groups right now
         if track.live:

@@ -24,8 +24,11 @@ The relay is split by concern:
   downstream session, holding the upstream payload views (zero copy); a byte
   budget with whole-group eviction.
 * :mod:`~kvcs_core.relay.upstream`: one upstream SUBSCRIBE per track and route
-  (aggregation), fill included, feeding the cache; FETCHes upstream; PUBLISH_DONE
+  (aggregation), fill included, feeding the cache; its Forward State and the
+  REQUEST_UPDATEs propagated from downstream; FETCHes upstream; PUBLISH_DONE
   and session loss.
+* :mod:`~kvcs_core.relay.offers`: SUBSCRIBE_TRACKS (PUBLISH downstream,
+  SUBSCRIBE_TRACKS upstream).
 * this module: the API, the dispatch, and the downstream requests.
 
 **Downstream SUBSCRIBE** (d21 section 7.2): the Full Track Name is matched
@@ -41,12 +44,32 @@ filters, priorities, delivery timeouts and queue limit: one slow subscriber is
 ended alone with PUBLISH_DONE TOO_FAR_BEHIND when its queue passes its
 session's ``max_queued_bytes_per_subscription`` (d21 section 5.2).
 
+Objects reaching the cache out of order (upstream subgroups, fills and
+fetches travel on separate streams) below a subscriber's live start are sent
+to it fill-delivered on a late fill stream (Ambiguity A27); objects of an
+evicted group fetched again are *restores*, sent only to fills that missed
+them (``MoqtSession.restoring``), so nobody gets an object twice
+(:mod:`kvcs_core.moqt.publishing`). A SUBSCRIBE with Forward 0 is answered at
+once (it gets no object and no fill).
+
+**Downstream REQUEST_UPDATE**: answered by the subscriber's own session from
+the cache; the relay then propagates what needs it upstream: the aggregated
+Forward State (pause / resume with a fill), FETCHes of evicted groups a new
+fill needs, NEW_GROUP_REQUEST (:mod:`~kvcs_core.relay.upstream`). A
+TRACK_NAMESPACE_PREFIX update of a SUBSCRIBE_NAMESPACE moves its announcements
+to the new prefix (wire reference 5.8).
+
 **Downstream FETCH and TRACK_STATUS**: served from the cache when it holds the
 answer, else asked upstream first (:mod:`~kvcs_core.relay.upstream`).
 
-**Not supported**: SUBSCRIBE_TRACKS (refused NOT_SUPPORTED); authorization
-(every request is allowed; filter events before handing them to the relay);
-MAX_CACHE_DURATION (objects are kept until evicted).
+**Downstream SUBSCRIBE_TRACKS**: every matching live track is PUBLISHed to
+the peer, now and later, or named in PUBLISH_SKIPPED
+(:mod:`~kvcs_core.relay.offers`).
+
+**Not supported**: authorization (every request is allowed; filter events
+before handing them to the relay); MAX_CACHE_DURATION (objects are kept until
+evicted); RENDEZVOUS_TIMEOUT (a SUBSCRIBE with no publisher is answered at
+once, as with 0).
 
 Chaining: a relay's upstream session can be a downstream session of another
 relay (trees); a parent relay is a default route for tracks no PUBLISH_NAMESPACE
@@ -64,6 +87,7 @@ from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.windows import fetch_range
 from kvcs_core.relay.config import RelayConfig, RelayStats, TrackStats
+from kvcs_core.relay.offers import Offers
 from kvcs_core.relay.routing import (
     NamespaceSubscription,
     Source,
@@ -80,15 +104,14 @@ from kvcs_core.relay.tracks import (
     StatusQuery,
     Track,
 )
-from kvcs_core.relay.upstream import Upstream
 from kvcs_core.wire import params as p
-from kvcs_core.wire.codes import RequestErrorCode
+from kvcs_core.wire.codes import LocationFilterType, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
 
 __all__ = ["Relay"]
 
 
-class Relay(Upstream):
+class Relay(Offers):
     """A caching MOQT relay over many sessions (see the module docstring).
 
     Args:
@@ -108,6 +131,7 @@ class Relay(Upstream):
             ev.SubscribeTracksRequested: self._on_subscribe_tracks,
             ev.PublishRequested: self._on_publish_requested,
             ev.RequestCancelled: self._on_request_cancelled,
+            ev.RequestUpdated: self._on_request_updated,
             ev.SubscribeAccepted: self._on_subscribe_accepted,
             ev.FetchAccepted: self._on_fetch_accepted,
             ev.RequestAccepted: self._on_request_accepted,
@@ -261,12 +285,70 @@ class Relay(Upstream):
         if track is None:
             self._reject(peer, e.request_id, RequestErrorCode.EXCESSIVE_LOAD, "too many tracks")
             return
-        sub = DownstreamSubscription(peer, e.request_id, e.params, track)
+        fwd = e.params.get(p.Forward)
+        lf = e.params.get(p.LocationFilter)
+        sub = DownstreamSubscription(
+            peer,
+            e.request_id,
+            e.params,
+            track,
+            forward=fwd is None or fwd.value == 1,
+            location_filter=lf,
+        )
         peer.subscriptions[e.request_id] = sub
         track.pending.append(sub)
         if not track.active and not track.complete:
             self._subscribe_upstream(track, exclude=peer)
+        else:
+            self._sync_forward(track)
+            ngr = e.params.get(p.NewGroupRequest)
+            if ngr is not None:
+                self._new_group_request(track, ngr.value)
         self._serve_pending(track)
+
+    def _on_request_updated(self, peer: Peer, e: ev.RequestUpdated) -> None:
+        """A downstream REQUEST_UPDATE its session already answered from the cache (FORWARD,
+        then FILL_PARAMETERS, A16): propagate upstream what needs it (upstream module
+        docstring)."""
+        sub = peer.subscriptions.get(e.request_id)
+        if sub is None:
+            prefix = e.params.get(p.TrackNamespacePrefix)
+            rec = peer.session.requests.get(e.request_id)
+            if (
+                prefix is not None
+                and rec is not None
+                and rec.namespace == prefix.namespace  # accepted (no PREFIX_OVERLAP)
+                and self._router.change_prefix(peer.session, e.request_id, prefix.namespace)
+            ):
+                self._sync_namespaces(
+                    [ns for ns in self._router.namespaces() if prefix.namespace.is_prefix_of(ns)]
+                )
+                for up in list(self._peers.values()):
+                    if up.upstream and up is not peer and up.usable:
+                        self._ensure_upstream_namespace(up, prefix.namespace)
+                return
+            self._tracks_updated(peer, e)
+            return
+        params = e.params
+        fwd = params.get(p.Forward)
+        if fwd is not None:
+            sub.forward = fwd.value == 1
+        lf = params.get(p.LocationFilter)
+        if lf is not None:  # NONE removes the filter (wire reference 5.4)
+            sub.location_filter = None if lf.filter_type == LocationFilterType.NONE else lf
+        track = sub.track
+        entry = track.entry
+        if sub in track.served and entry is not None:
+            if sub.forward and params.get(p.FillParameters) is not None:
+                # the fill needs objects the cache evicted: FETCH them; the session sends
+                # each one fill-delivered as it arrives (A27)
+                groups = self._evicted_needed(entry, params, sub.location_filter)
+                if groups is not None:
+                    self._refetch(track, groups)
+            ngr = params.get(p.NewGroupRequest)
+            if ngr is not None:
+                self._new_group_request(track, ngr.value)
+        self._sync_forward(track)
 
     def _on_fetch(self, peer: Peer, e: ev.FetchRequested) -> None:
         if not self._pending(peer, e.request_id, ev.RequestKind.FETCH):
@@ -347,9 +429,6 @@ class Relay(Upstream):
         else:
             self._reject(peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no such track")
 
-    def _on_subscribe_tracks(self, peer: Peer, e: ev.SubscribeTracksRequested) -> None:
-        self._reject(peer, e.request_id, RequestErrorCode.NOT_SUPPORTED, "SUBSCRIBE_TRACKS")
-
     def _on_publish_namespace(self, peer: Peer, e: ev.PublishNamespaceRequested) -> None:
         """d21 7.5 / wire ref. 10: accept, record the source, tell the namespace
         subscribers with NAMESPACE (never forward the PUBLISH_NAMESPACE itself, A13)."""
@@ -368,6 +447,7 @@ class Relay(Upstream):
                 and e.namespace.is_prefix_of(track.name.namespace)
             ):
                 self._subscribe_upstream(track, None)
+        self._tracks_on_setup(peer)  # a new source: ask it for the downstream prefixes
 
     def _on_subscribe_namespace(self, peer: Peer, e: ev.SubscribeNamespaceRequested) -> None:
         if not self._pending(peer, e.request_id, ev.RequestKind.SUBSCRIBE_NAMESPACE):
@@ -402,6 +482,7 @@ class Relay(Upstream):
             if sub in track.pending:
                 track.pending.remove(sub)
             track.served.pop(sub, None)
+            self._sync_forward(track)
             return
         fetch = peer.fetches.pop(rid, None)
         if fetch is not None:
@@ -411,6 +492,8 @@ class Relay(Upstream):
             return
         if self._router.remove_subscription(peer.session, rid):
             return
+        if peer.tracks_subs.pop(rid, None) is not None:
+            return  # no more offers; the PUBLISHes made live on (offers module docstring)
         ns = peer.published.pop(rid, None)
         if ns is not None:  # the publisher withdrew its PUBLISH_NAMESPACE
             self._router.remove_source(ns, Source(peer.session, SourceKind.PUBLISH_NAMESPACE, rid))
@@ -427,6 +510,7 @@ class Relay(Upstream):
             for sub in self._router.subscriptions():
                 if sub.session is not peer.session:
                     self._ensure_upstream_namespace(peer, sub.prefix)
+            self._tracks_on_setup(peer)
 
     def _on_goaway(self, peer: Peer, e: ev.GoawayReceived) -> None:
         if e.request_id is None:
@@ -438,17 +522,21 @@ class Relay(Upstream):
         peer.closed = True
         session = peer.session
         del self._peers[session]
+        affected: dict[Track, None] = {}
         for sub in peer.subscriptions.values():
             track = sub.track
             if sub in track.pending:
                 track.pending.remove(sub)
             track.served.pop(sub, None)
+            affected[track] = None
         peer.subscriptions.clear()
         for fetch in peer.fetches.values():
             for f in fetch.track.fetches:
                 if fetch in f.waiters:
                     f.waiters.remove(fetch)
         peer.fetches.clear()
+        peer.tracks_subs.clear()
+        peer.tracks_up.clear()
         for ns_sub in self._router.subscriptions_of(session):
             self._router.remove_subscription(session, ns_sub.request_id)
         changed: list[TrackNamespace] = []
@@ -465,6 +553,8 @@ class Relay(Upstream):
                 )
             else:
                 self._finalize(feed, lost=True)
+        for track in affected:
+            self._sync_forward(track)
         for query in peer.statuses.values():
             entry = query.track.entry
             for down, rid in query.waiters:

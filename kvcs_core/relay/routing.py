@@ -176,6 +176,16 @@ class Router:
         key = id(session)
         return [s for (k, _), s in self._subs.items() if k == key]
 
+    def change_prefix(self, session: MoqtSession, request_id: int, prefix: TrackNamespace) -> bool:
+        """A downstream subscription's prefix changed (TRACK_NAMESPACE_PREFIX, wire reference
+        5.8): namespaces outside it are no longer announced on it."""
+        sub = self._subs.get((id(session), request_id))
+        if sub is None:
+            return False
+        sub.prefix = prefix
+        sub.announced = {ns for ns in sub.announced if prefix.is_prefix_of(ns)}
+        return True
+
     def subscriptions(self) -> Iterator[NamespaceSubscription]:
         return iter(tuple(self._subs.values()))
 

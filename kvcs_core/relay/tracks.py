@@ -36,9 +36,10 @@ import attrs
 
 from kvcs_core.moqt.events import ObjectReceived
 from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.moqt.windows import RangeFilterSet
 from kvcs_core.relay.cache import CacheEntry
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
-from kvcs_core.wire.params import Parameters
+from kvcs_core.wire.params import FillParameters, LocationFilter, Parameters
 
 
 class FeedKind(enum.IntEnum):
@@ -87,6 +88,10 @@ class Peer:
 
     orphans: dict[int, list[ObjectReceived]] = attrs.field(factory=dict)
     """Objects of a peer's PUBLISH that arrived before its PublishRequested event."""
+    tracks_subs: dict[int, TracksSubscription] = attrs.field(factory=dict)
+    """The peer's SUBSCRIBE_TRACKS we accepted, by Request ID."""
+    tracks_up: dict[int, UpstreamTracks] = attrs.field(factory=dict)
+    """Our SUBSCRIBE_TRACKS on this session, by Request ID."""
 
     @property
     def usable(self) -> bool:
@@ -103,8 +108,15 @@ class Feed:
     track: Track
     kind: FeedKind
     state: FeedState = FeedState.PENDING
+    forward: bool = True
+    """Our Forward State on this subscription (SUBSCRIBE or PUBLISH), as last requested."""
+    fill_id: int | None = None
+    """The Request ID naming the fill we wait for: the SUBSCRIBE's, or the REQUEST_UPDATE's
+    that resumed forwarding (None: no fill requested)."""
+    fill_answered: bool = False
+    """The answer to ``fill_id`` arrived (SUBSCRIBE_OK or REQUEST_UPDATE_OK)."""
     fill_from: Location | None = None
-    """SUBSCRIBE: where the requested fill starts."""
+    """Where the requested fill starts."""
     fill_open: bool = False
     """A fill stream is expected (SUBSCRIBE_OK's Largest Object was at/after fill_from)."""
     fill_ended: bool = False
@@ -132,6 +144,8 @@ class Feed:
     """REFETCH: the groups asked for."""
     filter_key: tuple[object, ...] | None = None
     """SERVE: what was asked, so that identical downstream FETCHes share one request."""
+    updates: int = 0
+    """Our REQUEST_UPDATEs on this subscription not answered yet."""
 
     @property
     def active(self) -> bool:
@@ -157,10 +171,50 @@ class Feed:
 
 @attrs.define(eq=False)
 class DownstreamSubscription:
+    """A downstream subscription: a peer's SUBSCRIBE, or a PUBLISH the relay sent it
+    (SUBSCRIBE_TRACKS, ``published``)."""
+
     peer: Peer
     request_id: int
     params: Parameters
     track: Track
+    forward: bool = True
+    """Its Forward State (FORWARD in the request, then its REQUEST_UPDATEs)."""
+    location_filter: LocationFilter | None = None
+    """Its LOCATION_FILTER now (sticky across REQUEST_UPDATEs; None = unfiltered)."""
+    published: bool = False
+    """The relay PUBLISHed the track to the peer (the request is ours, not the peer's)."""
+    fill: FillParameters | None = None
+    """``published``: the SUBSCRIBE_TRACKS's FILL_PARAMETERS, served at PUBLISH_OK (A10)."""
+
+
+@attrs.define(eq=False)
+class TracksSubscription:
+    """A downstream SUBSCRIBE_TRACKS (d21 9.18): every matching track is offered once,
+    as a PUBLISH or a PUBLISH_SKIPPED (:mod:`kvcs_core.relay.offers`)."""
+
+    peer: Peer
+    request_id: int
+    prefix: TrackNamespace
+    """The prefix now (TRACK_NAMESPACE_PREFIX in a REQUEST_UPDATE replaces it)."""
+    params: Parameters
+    """The SUBSCRIBE_TRACKS parameters: the initial settings of every PUBLISH (B3)."""
+    forward: bool
+    """FORWARD for the PUBLISHes from now on (a REQUEST_UPDATE changes future ones only)."""
+    filters: RangeFilterSet
+    """Its range filters (TRACK_PROPERTY_FILTER selects tracks; the others apply to objects)."""
+    offered: dict[FullTrackName, None] = attrs.field(factory=dict)
+    """Tracks PUBLISHed or PUBLISH_SKIPPED on it: never offered again (d21 9.19)."""
+    excluded: dict[FullTrackName, None] = attrs.field(factory=dict)
+    """Tracks its TRACK_PROPERTY_FILTER rejected (reconsidered when the filter changes)."""
+
+
+@attrs.define(eq=False)
+class UpstreamTracks:
+    """A SUBSCRIBE_TRACKS the relay sent upstream for a downstream prefix."""
+
+    prefix: TrackNamespace
+    retried: bool = False
 
 
 @attrs.define(eq=False)
@@ -207,8 +261,14 @@ class Track:
     last_error: tuple[int, str] | None = None
     """The last upstream REQUEST_ERROR for a SUBSCRIBE of this track."""
     malformed: bool = False
-    pinned_until: float = 0.0
-    """No eviction from this track before then (``RelayConfig.pin_time``)."""
+    clock: float = -1.0
+    """When the downstream sessions serving the track last had their clocks moved."""
+    whole_to: Location | None = None
+    """The cache held every object up to here when the last whole feed paused or ended:
+    where a resumed upstream fill starts (from this group's first object)."""
+    new_group: tuple[int, int | None] | None = None
+    """The NEW_GROUP_REQUEST value sent upstream and the Largest Group then: outstanding
+    until Largest Group grows (wire reference 5.8)."""
 
     @property
     def live(self) -> bool:

@@ -10,10 +10,37 @@ ABSOLUTE_START {0,0}}``: the exactly-once recipe of wire reference 6, so the
 cache receives the whole track, the part before the subscription on the fill
 stream and the rest live, each object once. When the relay subscribes again to
 a track it already holds whole (after the upstream left), the fill starts right
-after the cached Largest Object instead of {0,0}. Forward is always 1 upstream
-(wire reference 10: "any downstream Forward 1 => upstream Forward 1"); the
-downstream's delivery timeouts and filters are never forwarded, the
-downstream sessions apply them to the cache.
+after the cached Largest Object instead of {0,0}. The downstream's priorities,
+delivery timeouts and filters are never forwarded (wire reference 9.1, 5.7, 10):
+the downstream sessions apply them to the cache.
+
+**Forward State and REQUEST_UPDATE propagation** (wire reference 10, 4.5,
+5.9): the upstream subscription (SUBSCRIBE or accepted PUBLISH) forwards
+exactly when at least one downstream subscription of the track forwards ("any
+downstream Forward 1 => upstream Forward 1"; otherwise the relay chooses, and
+this one saves the upstream bytes). With no downstream subscription at all it
+follows ``RelayConfig.idle_forward`` (default: keep the cache warm). Changes
+go upstream as REQUEST_UPDATE: ``{FORWARD=0}`` pauses (the cache is no longer
+*whole*: objects produced meanwhile are missing); ``{FORWARD=1,
+FILL_PARAMETERS{ABSOLUTE_START}}`` resumes, with a fill from the first object
+of the group that held the cache's Largest Object when it was last whole
+(objects of that group may still have been in flight: duplicates are no-ops in
+the cache), and no LOCATION_FILTER, so the live window stays where it was and
+no object produced later can fall between the fill and the live part (A16:
+FORWARD is applied before FILL_PARAMETERS). The fill is named by the update's
+Request ID; the REQUEST_UPDATE_OK's LARGEST_OBJECT fixes its end, exactly as
+SUBSCRIBE_OK's does for the first fill. A downstream SUBSCRIBE with Forward 1
+waits until the cache is whole again; one with Forward 0 is answered at once
+(it gets no object and no fill, wire reference 6 item 4) with LARGEST_OBJECT =
+max(upstream-reported, received) (wire reference 5.8; the store observes the
+upstream's value). A downstream REQUEST_UPDATE is answered by its own session
+from the cache (FORWARD first, then FILL_PARAMETERS, A16); the relay then
+propagates what it needs: the Forward State above; a fill crossing evicted
+groups FETCHes them upstream (the session delivers them on a late fill stream
+as they arrive, A27); NEW_GROUP_REQUEST goes upstream in an RU when it is 0 or
+above Largest Group, the track has DYNAMIC_GROUPS, and no request >= it is
+outstanding (until Largest Group grows; wire reference 5.8); copied into the
+upstream SUBSCRIBE when there is none yet.
 
 **Feeding the cache**: every upstream ``ObjectReceived`` (subscription,
 fill or fetch delivered; status objects too) is appended to the track's store
@@ -48,7 +75,10 @@ served).
 
 from __future__ import annotations
 
+import contextlib
+
 from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.track_store import BeyondEnd, MalformedTrack
 from kvcs_core.moqt.windows import fetch_range
 from kvcs_core.relay.cache import store_for
@@ -64,8 +94,8 @@ from kvcs_core.relay.tracks import (
     Track,
 )
 from kvcs_core.wire import params as p
-from kvcs_core.wire.codes import PublishDoneCode, RequestErrorCode
-from kvcs_core.wire.kvp import KeyValuePairs
+from kvcs_core.wire.codes import PropertyType, PublishDoneCode, RequestErrorCode
+from kvcs_core.wire.kvp import KeyValuePairs, find_kvp
 from kvcs_core.wire.names import Location
 
 
@@ -81,6 +111,12 @@ class Upstream(RelayCore):
         entry = track.entry
         if entry is not None and track.whole and entry.store.largest is not None:
             fill_from = next_after(entry.store.largest)
+        forward = self._want_forward(track)
+        extra: list[p.Parameter] = []
+        ngr = [v.value for s in track.pending if (v := s.params.get(p.NewGroupRequest)) is not None]
+        if ngr:  # wire reference 5.8: copied into the upstream SUBSCRIBE
+            extra.append(p.NewGroupRequest(0 if 0 in ngr else max(ngr)))
+        fill = p.Parameters.of(p.LocationFilter.absolute_start(fill_from.group, fill_from.object))
         sent = 0
         for peer in self._routes(track.name.namespace, exclude):
             if id(peer) in have:
@@ -89,12 +125,20 @@ class Upstream(RelayCore):
                 track.name,
                 now=self._now,
                 location_filter=p.LocationFilter.next_object(),
-                fill=p.Parameters.of(
-                    p.LocationFilter.absolute_start(fill_from.group, fill_from.object)
-                ),
+                fill=fill if forward else None,
+                forward=forward,
                 priority=self.config.upstream_priority,
+                extra=extra,
             )
-            feed = Feed(peer, rid, track, FeedKind.SUBSCRIBE, fill_from=fill_from)
+            feed = Feed(
+                peer,
+                rid,
+                track,
+                FeedKind.SUBSCRIBE,
+                forward=forward,
+                fill_id=rid if forward else None,
+                fill_from=fill_from if forward else None,
+            )
             track.forced = False
             peer.feeds[rid] = feed
             track.feeds.append(feed)
@@ -126,18 +170,143 @@ class Upstream(RelayCore):
         track = feed.track
         if not self._make_store(track, e.track_properties):
             return
+        if feed.forward:
+            self._fill_answered(feed, e.largest)
+        elif e.largest is not None and not self._observe(track, e.largest):
+            return
+        self._serve_pending(track)
+        self._sync_forward(track)
+        if not track.malformed:
+            self._track_live(track)
+
+    def _fill_answered(self, feed: Feed, largest: Location | None) -> None:
+        """SUBSCRIBE_OK or REQUEST_UPDATE_OK for the request that asked for ``feed``'s fill:
+        its LARGEST_OBJECT fixes the fill's end (wire reference 6 items 2 and 8)."""
+        feed.fill_answered = True
+        track = feed.track
         start = feed.fill_from
-        if start is not None and e.largest is not None and e.largest >= start:
+        if start is not None and largest is not None and largest >= start:
             feed.fill_open = True
-            feed.fill_end = e.largest
+            feed.fill_end = largest
             if feed.fill_ended:
                 self._fill_finished(feed)
             else:
                 track.fill_deadline = self._now + self.config.fill_timeout
                 self._timed[track] = None
         else:
-            feed.whole = True  # wire reference 6 item 2: nothing before us, no fill stream
-        self._serve_pending(track)
+            self._feed_whole(feed)  # wire reference 6 item 2: nothing before, no fill stream
+
+    def _observe(self, track: Track, largest: Location) -> bool:
+        """The upstream reports ``largest`` while we do not forward: the store's Largest
+        Object becomes max(upstream-reported, received) (wire reference 5.8)."""
+        entry = track.entry
+        if entry is None:
+            return True
+        try:
+            entry.store.observe_largest(largest)
+        except BeyondEnd as exc:
+            self._malformed(track, str(exc))
+            return False
+        return True
+
+    # --- Forward State and updates (module docstring) ---------------------------------
+
+    def _sync_forward(self, track: Track) -> None:
+        """Pause or resume the track's upstream subscriptions to match the downstream."""
+        if track.malformed:
+            return
+        want = self._want_forward(track)
+        for feed in list(track.feeds):
+            if feed.state is FeedState.LIVE and feed.forward != want and feed.peer.usable:
+                self._set_forward(feed, want)
+
+    def _resume_from(self, track: Track) -> Location:
+        """Where a resumed upstream fill starts (module docstring)."""
+        entry = track.entry
+        largest = entry.store.largest if entry is not None else None
+        if largest is not None and any(f.delivering and f.whole for f in track.feeds):
+            return Location(largest.group, 0)
+        if track.whole_to is not None:
+            return Location(track.whole_to.group, 0)
+        return Location(0, 0)
+
+    def _set_forward(self, feed: Feed, on: bool) -> None:
+        track = feed.track
+        entry = track.entry
+        if on:
+            start = self._resume_from(track)
+            params = p.Parameters.of(
+                p.Forward(1),
+                p.FillParameters(
+                    p.Parameters.of(p.LocationFilter.absolute_start(start.group, start.object))
+                ),
+            )
+        else:
+            params = p.Parameters.of(p.Forward(0))
+        try:
+            uid = feed.peer.session.request_update(feed.request_id, params, now=self._now)
+        except LocalProtocolError:
+            return  # too many updates outstanding: retried when one is answered
+        feed.updates += 1
+        if feed.whole and entry is not None and entry.store.largest is not None:
+            track.whole_to = entry.store.largest  # what the cache holds whole now
+        feed.whole = False
+        feed.forward = on
+        feed.fill_open = feed.fill_ended = feed.fill_answered = False
+        feed.fill_reset = None
+        feed.fill_end = None
+        if on:
+            feed.fill_id, feed.fill_from = uid, start
+            # the downstream SUBSCRIBEs this resume makes wait are answered by then at the
+            # latest, whatever the upstream does (RelayConfig.fill_timeout)
+            track.fill_deadline = self._now + self.config.fill_timeout
+            self._timed[track] = None
+        else:
+            feed.fill_id = feed.fill_from = None
+            if not any(f.fill_open for f in track.feeds) and track.fill_deadline is not None:
+                track.fill_deadline = None
+                self._timed.pop(track, None)
+
+    def _on_update_answered(self, peer: Peer, e: ev.RequestAccepted | ev.RequestFailed) -> None:
+        """The answer to one of our REQUEST_UPDATEs on an upstream subscription. A refused
+        one ends the subscription upstream (PUBLISH_DONE UPDATE_FAILED, d21 9.5.1)."""
+        feed = peer.feeds.get(e.request_id)
+        if feed is None or feed.kind is FeedKind.FETCH:
+            return
+        feed.updates = max(0, feed.updates - 1)
+        if isinstance(e, ev.RequestAccepted):
+            lp = e.params.get(p.LargestObject)
+            largest = lp.location if lp is not None else None
+            if e.update_id == feed.fill_id and not feed.fill_answered:
+                self._fill_answered(feed, largest)
+            elif (
+                not feed.forward and largest is not None and not self._observe(feed.track, largest)
+            ):
+                return
+        self._sync_forward(feed.track)
+
+    def _new_group_request(self, track: Track, value: int) -> None:
+        """NEW_GROUP_REQUEST from downstream, to the live upstream (wire reference 5.8)."""
+        entry = track.entry
+        if entry is None:
+            return
+        dynamic = find_kvp(entry.store.track_properties, PropertyType.DYNAMIC_GROUPS)
+        if dynamic != 1:
+            return  # the track lacks dynamic groups
+        largest = entry.store.largest
+        group = largest.group if largest is not None else None
+        if value != 0 and group is not None and value <= group:
+            return  # a non-zero value <= Largest Group is not forwarded
+        sent = track.new_group
+        if sent is not None and sent[1] == group and sent[0] >= value:
+            return  # an outstanding request >= value (until Largest Group grows)
+        params = p.Parameters.of(p.NewGroupRequest(value))
+        for feed in track.feeds:
+            if feed.state is FeedState.LIVE and feed.peer.usable:
+                with contextlib.suppress(LocalProtocolError):
+                    feed.peer.session.request_update(feed.request_id, params, now=self._now)
+                    feed.updates += 1
+                    track.new_group = (value, group)
 
     def _fill_finished(self, feed: Feed) -> None:
         feed.fill_open = False
@@ -167,6 +336,8 @@ class Upstream(RelayCore):
         track.fetches.append(fetch)
 
     def _feed_whole(self, feed: Feed) -> None:
+        if not feed.forward or feed.state is not FeedState.LIVE:
+            return  # paused (or over) meanwhile: the cache is not whole
         feed.whole = True
         track = feed.track
         track.forced = False
@@ -184,18 +355,38 @@ class Upstream(RelayCore):
         if track is None:
             self._reject(peer, e.request_id, RequestErrorCode.EXCESSIVE_LOAD, "too many tracks")
             return
+        if any(f.peer is peer and f.active for f in track.feeds):
+            # already fed by this peer (e.g. a broader SUBSCRIBE_TRACKS of ours replaced a
+            # narrower one): the same objects twice would only cost (d21 7.5: may refuse)
+            self._reject(peer, e.request_id, RequestErrorCode.UNINTERESTED, "already subscribed")
+            return
         peer.session.accept_publish(e.request_id, now=self._now)
         was_whole = track.whole
-        feed = Feed(peer, e.request_id, track, FeedKind.PUBLISH, state=FeedState.LIVE)
+        fwd = e.params.get(p.Forward)
+        forward = fwd is None or fwd.value == 1
+        feed = Feed(
+            peer, e.request_id, track, FeedKind.PUBLISH, state=FeedState.LIVE, forward=forward
+        )
         peer.feeds[e.request_id] = feed
         track.feeds.append(feed)
         if not self._make_store(track, e.track_properties):
             return
         entry = track.entry
         assert entry is not None
+        if was_whole and entry.store.largest is not None:
+            track.whole_to = entry.store.largest
         for obj in orphans:
             self._append(track, entry, obj)
+            if track.malformed:
+                return
         largest = e.params.get(p.LargestObject)
+        if not forward:  # A15: resumed (RU FORWARD=1 + fill) when a subscriber wants it
+            if largest is not None and not self._observe(track, largest.location):
+                return
+            self._sync_forward(track)
+            self._serve_pending(track)
+            self._track_live(track)
+            return
         cached = entry.store.largest
         if largest is None or (was_whole and cached is not None and cached >= largest.location):
             self._feed_whole(feed)
@@ -205,6 +396,9 @@ class Upstream(RelayCore):
                 self._refill(feed, start, largest.location)
             else:
                 self._feed_whole(feed)
+        self._sync_forward(track)
+        if not track.malformed:
+            self._track_live(track)
 
     # --- objects and streams -------------------------------------------------------------
 
@@ -219,6 +413,19 @@ class Upstream(RelayCore):
         entry = track.entry
         if entry is None:
             track.early.append(e)
+            return
+        if track.clock != self._now:
+            # the downstream sessions stamp the object with their clock as it is handed
+            # over (d21 5.2 delivery timeouts): bring the idle ones to now first
+            track.clock = self._now
+            for sub in track.served:
+                sub.peer.session.advance(self._now)
+        if (
+            entry.evicted
+            and e.location.group in entry.evicted
+            and e.delivery is not ev.Delivery.SUBSCRIPTION
+        ):
+            self._restore(track, entry, e)
             return
         cache = self._cache
         try:
@@ -242,8 +449,8 @@ class Upstream(RelayCore):
         feed.streams_ended += 1
         if (
             e.delivery is ev.Delivery.FILL
-            and feed.kind is FeedKind.SUBSCRIBE
-            and e.via_request_id == feed.request_id
+            and feed.fill_id is not None
+            and e.via_request_id == feed.fill_id
         ):
             feed.fill_ended = True
             feed.fill_reset = e.reset_code
@@ -284,6 +491,9 @@ class Upstream(RelayCore):
             track.feeds.remove(feed)
         if was_delivering and feed.whole:
             track.contiguous = True  # objects lost in flight lie beyond Largest Object
+            entry = track.entry
+            if entry is not None and entry.store.largest is not None:
+                track.whole_to = entry.store.largest
         if track.active or track.malformed:
             return
         if track.fill_deadline is not None:
@@ -316,6 +526,7 @@ class Upstream(RelayCore):
 
     def _on_request_failed(self, peer: Peer, e: ev.RequestFailed) -> None:
         if e.update_id is not None:
+            self._on_update_answered(peer, e)
             return
         feed = peer.feeds.get(e.request_id)
         if feed is not None:
@@ -411,7 +622,7 @@ class Upstream(RelayCore):
         if entry is None or not self._pending(fetch.peer, fetch.request_id, ev.RequestKind.FETCH):
             return
         fetch.peer.session.accept_fetch(fetch.request_id, entry.store, now=self._now)
-        self._served_from(fetch.track, reads=True)
+        self._cache.touch(entry)
 
     # --- namespaces and status ------------------------------------------------------------
 
@@ -426,7 +637,10 @@ class Upstream(RelayCore):
         self._sync_namespaces([e.namespace])
 
     def _on_request_accepted(self, peer: Peer, e: ev.RequestAccepted) -> None:
-        if e.update_id is not None or e.kind is not ev.RequestKind.TRACK_STATUS:
+        if e.update_id is not None:
+            self._on_update_answered(peer, e)
+            return
+        if e.kind is not ev.RequestKind.TRACK_STATUS:
             return
         query = peer.statuses.pop(e.request_id, None)
         if query is None:
