@@ -36,6 +36,7 @@ from kvcs_fixtures import (
 
 from adapters.numpy_kv import KvDestination
 from kvcs_core.kvcs.consumer import (
+    ConsumerConfig,
     DiscardReason,
     KvcsConsumer,
     LayerReady,
@@ -430,3 +431,35 @@ def test_bad_later_manifest_version_is_discarded_and_the_publication_kept(
     done = client.done_event()
     assert (done.publication_id, done.complete) == (PUB_A, True)
     cache.check(dest)
+
+
+def test_a_silently_dead_session_is_left_for_another_after_a_stall() -> None:
+    """A relay that stops answering (no close: a killed process) stalls the retrieval;
+    after ``stall_timeout`` the consumer asks the other session, not the dead one again,
+    even though the dead one had delivered part of the cache (profile 5.4 recovery)."""
+    cache = small_cache()
+    tokens = prompt(SMALL_TOKENS)
+    pub = cache.publisher(tokens, PUB_A)
+    world = World()
+    conn_a = world.connect(pub)
+    conn_b = world.connect(pub, latency=0.02)
+    c, dest = new_consumer(
+        cache, tokens, recovery_time_bound=0.5, config=ConsumerConfig(stall_timeout=1.0)
+    )
+    client = world.add_consumer(c, conn_a, conn_b, dest=dest)
+    world.drive(lambda: c.manifest is not None)
+    cache.put(pub, 0, world.now)
+    cache.put(pub, 1, world.now)
+    world.poke_servers()
+    world.drive(lambda: c.layer_ready(1))
+    conn_a.link.set_latency(1e6)  # session 0 goes silent: nothing it sends arrives any more
+    for layer in range(2, SMALL_CD["layers"]):
+        cache.put(pub, layer, world.now)
+    world.poke_servers()
+    world.finish(client, max_time=30)
+    done = client.done_event()
+    assert done.complete, client.events
+    assert not client.of(RecomputeNeeded)
+    cache.check(dest)
+    asked_b = data_requests(conn_b, (ev.SubscribeRequested, ev.FetchRequested))
+    assert asked_b, "the healthy session was never asked"

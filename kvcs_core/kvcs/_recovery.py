@@ -100,11 +100,18 @@ class RecoveryMixin(ConsumerCore):
         return None
 
     def _on_stall(self, now: float) -> None:
-        """Nothing verified for ``stall_timeout``: fail every active request (bounded waits)."""
+        """Nothing verified for ``stall_timeout``: fail every active request (bounded waits).
+
+        A session that went silent (a relay killed without a close) is not asked again
+        for the same objects while another session could be: its requests count as
+        failed there even if they had delivered part of the cache before.
+        """
         table = self._table
         assert table is not None
         for reqs in self._active:
             for req in list(reqs):
+                if sum(1 for _ in self._usable_sessions(req.pub)) > 1:
+                    req.no_retry = True
                 self._end_request(req, now, cancel=True, forget=True)
         for ci, layer, b in list(table.each(ObjState.HELD)):
             self._views.pop((ci, layer, b), None)

@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up after S seconds (default 120)",
     )
     f.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a session that delivers nothing for S seconds is given up for another (default 10)",
+    )
+    f.add_argument(
         "--recovery-time",
         type=float,
         default=2.0,

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 
 from adapters.cachefile import CacheFile, CacheFileError, save
 from adapters.numpy_kv import KvDestination, layer_sections
-from kvcs_core.kvcs.consumer import RetrievalComplete
+from kvcs_core.kvcs.consumer import ConsumerConfig, RetrievalComplete
 from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
 from kvcs_core.kvcs.publisher import ManifestSigner
 from kvcs_core.relay.config import RelayConfig
@@ -302,6 +302,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             producer_keys=keys,
             require_authenticity=keys is not None,
             recovery_time_bound=args.recovery_time,
+            config=ConsumerConfig(stall_timeout=args.stall_timeout),
         )
         outcome = await follow(retrieval, cd.layers, t0, args)
     return finish_fetch(args, source, dest, outcome)
