@@ -13,7 +13,8 @@ only route; the protocol decisions stay in the core machines:
   that use the session (a publisher answers what concerns its namespace, a
   consumer what answers its requests) and to watchers (one-off waits such as
   discovery). Consumer output events are collected per consumer in a
-  :class:`ConsumerHandle` for the async API to read.
+  :class:`ConsumerHandle` for the async API to read. A request of the peer
+  that none of them answered gets a default answer (:func:`answer_unclaimed`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,58 @@ from collections.abc import Callable
 
 from kvcs_core.kvcs.consumer import ConsumerEvent, KvcsConsumer
 from kvcs_core.kvcs.publisher import KvcsPublisher
+from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.events import SessionEvent
+from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.relay.relay import Relay
+from kvcs_core.wire.codes import RequestErrorCode
 
 from .pump import SessionPump
 
 Watcher = Callable[[SessionPump, SessionEvent, float], None]
+
+_PEER_REQUESTS = (
+    ev.SubscribeRequested,
+    ev.FetchRequested,
+    ev.TrackStatusRequested,
+    ev.PublishNamespaceRequested,
+    ev.SubscribeNamespaceRequested,
+    ev.PublishRequested,
+    ev.SubscribeTracksRequested,
+)
+
+
+def answer_unclaimed(session: MoqtSession, event: SessionEvent, now: float) -> None:
+    """Answer a request of the peer that nothing on this client answered.
+
+    Wire reference 8.2: a limited endpoint SHOULD answer a request it does not
+    serve (NOT_SUPPORTED), not ignore it; a server may send requests to a client
+    right after SETUP, before any publication is attached (the moq-rs server
+    sends SUBSCRIBE_NAMESPACE and PUBLISH_NAMESPACE to every client). Answers:
+
+    * SUBSCRIBE, FETCH, TRACK_STATUS: REQUEST_ERROR DOES_NOT_EXIST (no
+      publication here serves the track);
+    * SUBSCRIBE_NAMESPACE: REQUEST_OK, with no NAMESPACE yet: a publication
+      attached later announces itself on it (``KvcsPublisher.attach``);
+    * PUBLISH_NAMESPACE: REQUEST_OK (noted; a client forwards nothing);
+    * PUBLISH: REQUEST_ERROR UNINTERESTED (nothing here asked for tracks);
+    * SUBSCRIBE_TRACKS: REQUEST_ERROR NOT_SUPPORTED.
+    """
+    if not isinstance(event, _PEER_REQUESTS) or session.is_closed:
+        return
+    rec = session.requests.get(event.request_id)
+    if rec is None or rec.mine or rec.state is not RequestState.PENDING:
+        return
+    rid = event.request_id
+    if isinstance(event, ev.SubscribeRequested | ev.FetchRequested | ev.TrackStatusRequested):
+        session.reject_request(rid, RequestErrorCode.DOES_NOT_EXIST, "no such track", now=now)
+    elif isinstance(event, ev.SubscribeNamespaceRequested | ev.PublishNamespaceRequested):
+        session.accept_request(rid, now=now)
+    elif isinstance(event, ev.PublishRequested):
+        session.reject_request(rid, RequestErrorCode.UNINTERESTED, "no interest", now=now)
+    else:
+        session.reject_request(rid, RequestErrorCode.NOT_SUPPORTED, "not supported", now=now)
 
 
 class RelayApp:
@@ -81,13 +127,20 @@ class ClientApp:
         session = pump.session
         for watch in list(self.watchers):
             watch(pump, event, now)
+        # a SUBSCRIBE_NAMESPACE can cover several publications: each announces itself
+        every = isinstance(event, ev.SubscribeNamespaceRequested)
+        claimed = False
         for pub, on in self.publishers:
             if on is session and pub.handle_session_event(session, event, now):
-                return
-        for handle in self.consumers:
-            if session in handle.sessions and not handle.consumer.done:
-                handle.consumer.handle_session_event(session, event, now)
-                handle.drain()
+                claimed = True
+                if not every:
+                    break
+        if not claimed:
+            for handle in self.consumers:
+                if session in handle.sessions and not handle.consumer.done:
+                    handle.consumer.handle_session_event(session, event, now)
+                    handle.drain()
+        answer_unclaimed(session, event, now)
 
     def handle_timer(self, now: float) -> None:
         for handle in self.consumers:

@@ -111,9 +111,7 @@ class AsyncioDriver:
     # --- callbacks -------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        now = self.now()
-        for data, addr in self.udp.recv_batch():
-            self.endpoint.receive_datagram(data, addr, now)
+        self.endpoint.receive_datagrams(self.udp.recv_batch(), self.now())
         self.wake()
 
     def _on_timer(self) -> None:

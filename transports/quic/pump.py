@@ -28,7 +28,9 @@ come out.
   out.
 * **Lifetime.** The session starts (sends SETUP) when the handshake completes
   with ALPN ``moqt-22``; any other ALPN closes the connection. A QUIC
-  connection termination reaches the session as ``TransportClosed``.
+  connection termination reaches the session as ``TransportClosed``. An
+  exception raised by the stack itself ends this one connection the same
+  way (logged as a warning), never the endpoint and its other connections.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ DEFAULT_MAX_UNSENT = 1 << 20
 ALPN_MISMATCH = 0x178
 """QUIC CRYPTO_ERROR(no_application_protocol): the peer did not agree on ``moqt-22``."""
 
+QUIC_INTERNAL_ERROR = 0x1
+"""The code reported to the session when the QUIC stack itself failed on this connection."""
+
 
 class SessionPump:
     """Binds one ``QuicConnection`` of any aioquic-compatible stack to one ``MoqtSession``."""
@@ -96,6 +101,7 @@ class SessionPump:
         self._send_done: set[int] = set()
         self._unsent_streams: set[int] = set()
         self._closing = False
+        self._stack_failed = False
         self.close_reason: str | None = None
         """Why the session or connection ended, in one line (``None`` while open)."""
         self.cid_changes: list[tuple[bool, bytes]] = []
@@ -104,13 +110,37 @@ class SessionPump:
     # --- inputs ---------------------------------------------------------------------------
 
     def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
-        self.quic.receive_datagram(data, addr, now)
-        self._process_quic_events(now)
+        if self.feed_datagram(data, addr, now):
+            self.process_events(now)
+
+    def feed_datagram(self, data: bytes, addr: Any, now: float) -> bool:
+        """Hand one datagram to QUIC, leaving what it caused to :meth:`process_events`
+        (so that a batch of datagrams costs one round of event handling); ``False`` when
+        the stack has failed."""
+        if self._stack_failed:
+            return False
+        try:
+            self.quic.receive_datagram(data, addr, now)
+        except Exception as exc:  # a stack failure ends this connection only
+            self._on_stack_failure("receive_datagram", exc, now)
+            return False
+        return True
+
+    def process_events(self, now: float) -> None:
+        """Carry what QUIC reported since the last call to the session."""
+        if not self._stack_failed:
+            self._process_quic_events(now)
 
     def handle_timer(self, now: float) -> None:
+        if self._stack_failed:
+            return
         quic_timer = self.quic.get_timer()
         if quic_timer is not None and quic_timer <= now:
-            self.quic.handle_timer(now)
+            try:
+                self.quic.handle_timer(now)
+            except Exception as exc:  # a stack failure ends this connection only
+                self._on_stack_failure("handle_timer", exc, now)
+                return
             self._process_quic_events(now)
         if self.handshake_complete and not self.terminated:
             deadline = self.session.get_timer()
@@ -119,6 +149,8 @@ class SessionPump:
                 self._drain_session()
 
     def get_timer(self) -> float | None:
+        if self._stack_failed:
+            return None
         timers = [self.quic.get_timer()]
         if self.handshake_complete and not self.terminated:
             timers.append(self.session.get_timer())
@@ -146,7 +178,13 @@ class SessionPump:
         return pulled
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
-        out: list[tuple[bytes, Any]] = self.quic.datagrams_to_send(now)
+        if self._stack_failed:
+            return []
+        try:
+            out = self.stack.datagrams_to_send(self.quic, now)
+        except Exception as exc:  # a stack failure ends this connection only
+            self._on_stack_failure("datagrams_to_send", exc, now)
+            return []
         return out
 
     def unsent_bytes(self) -> int:
@@ -235,6 +273,21 @@ class SessionPump:
                     code=qe.error_code, reason=qe.reason_phrase or "", by_peer=not self._closing
                 ),
                 now,
+            )
+            self._drain_session()
+
+    def _on_stack_failure(self, what: str, exc: Exception, now: float) -> None:
+        """The stack raised: give the connection up (nothing more is sent or read on it)."""
+        log.warning("%s: QUIC stack error in %s: %s; connection dropped", self.label, what, exc)
+        self._stack_failed = True
+        if self.close_reason is None:
+            self.close_reason = f"QUIC stack error: {exc}"
+        if self.terminated:
+            return
+        self.terminated = True
+        if self.handshake_complete:
+            self.session.handle_transport_event(
+                TransportClosed(code=QUIC_INTERNAL_ERROR, reason=str(exc), by_peer=False), now
             )
             self._drain_session()
 

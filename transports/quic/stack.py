@@ -14,16 +14,37 @@ The only thing the two stacks expose differently is how many written stream
 bytes still wait for their first transmission (the backpressure signal): qh3
 offers ``get_send_buffer_size``; for aioquic it is read from each stream's
 sender (``_buffer_stop - highest_offset``: bytes queued but never sent).
+
+One qh3 workaround lives here too: qh3 2.1's core can raise ``RuntimeError``
+("packet builder capacity exhausted") from ``poll_transmit`` in the middle of
+a server's handshake flight (seen with every aioquic client on 127.0.0.1), and
+its ``datagrams_to_send`` then raises and drops the datagrams it had already
+built, so the handshake only completes after retransmissions (or, in a loop
+that lets the exception escape, never). :func:`_qh3_datagrams` keeps what was
+built and stops at the error; the next call goes on.
+
+And one qh3 limitation is lifted: a qh3 client always advertises
+``max_udp_payload_size`` 1472 in its transport parameters, whatever its
+``max_datagram_size``, and a qh3 server does no path MTU discovery, so a server
+(a relay) sent at most about 1450-byte datagrams to qh3 clients even where both
+sides were configured for, say, 16000 (on loopback that is ten times the
+packets, and the kernel's per-packet work, of the client-to-server direction).
+:func:`_qh3_connection` makes a client whose ``max_datagram_size`` is larger
+advertise that size instead (RFC 9000 section 18.2: the largest UDP payload it
+is willing to receive; :mod:`.udp` reads datagrams of up to 64 KiB).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import attrs
+
+log = logging.getLogger("kvcs.quic")
 
 ALPN = "moqt-22"
 """The ALPN of MOQT draft-22 over native QUIC (wire reference section 1)."""
@@ -49,6 +70,8 @@ class QuicStack:
     packet_type_initial: Any
     unsent_bytes: Callable[[Any, int], int]
     """``(connection, stream_id) -> bytes written but not yet sent once``."""
+    datagrams_to_send: Callable[[Any, float], list[tuple[bytes, Any]]]
+    """``(connection, now) -> [(datagram, address)]``: the connection's ``datagrams_to_send``."""
 
 
 def _aioquic_unsent(conn: Any, stream_id: int) -> int:
@@ -61,6 +84,101 @@ def _aioquic_unsent(conn: Any, stream_id: int) -> int:
 
 def _qh3_unsent(conn: Any, stream_id: int) -> int:
     return int(conn.get_send_buffer_size(stream_id))
+
+
+def _aioquic_datagrams(conn: Any, now: float) -> list[tuple[bytes, Any]]:
+    out: list[tuple[bytes, Any]] = conn.datagrams_to_send(now=now)
+    return out
+
+
+def _qh3_datagrams(conn: Any, now: float) -> list[tuple[bytes, Any]]:
+    """qh3's ``datagrams_to_send`` without losing datagrams to a core error (module doc)."""
+    core = conn._core
+    if core is None:
+        return []
+    out: list[tuple[bytes, Any]] = []
+    while True:
+        try:
+            transmit = core.poll_transmit(now)
+        except RuntimeError as exc:
+            log.debug("qh3 poll_transmit: %s (kept %d datagrams)", exc, len(out))
+            break
+        if transmit is None:
+            break
+        if conn._quic_logger is not None:
+            conn._log_datagram("datagrams_sent", transmit[0])
+            conn._log_packets("packet_sent", transmit[0])
+        out.append((transmit[0], transmit[1]))
+    return out
+
+
+QH3_CLIENT_MAX_UDP_PAYLOAD = 1472
+"""The ``max_udp_payload_size`` a qh3 2.1 client advertises whatever its configuration."""
+
+_TP_MAX_UDP_PAYLOAD_SIZE = 0x03
+_TLS_EXT_QUIC_TRANSPORT_PARAMETERS = 0x39
+
+
+def _pull_varint(data: bytes, pos: int) -> tuple[int, int]:
+    first = data[pos]
+    end = pos + (1 << (first >> 6))
+    if end > len(data):
+        raise ValueError("truncated varint")
+    value = first & 0x3F
+    for b in data[pos + 1 : end]:
+        value = (value << 8) | b
+    return value, end
+
+
+def _varint(value: int) -> bytes:
+    for size, tag in ((1, 0), (2, 0x40), (4, 0x80), (8, 0xC0)):
+        if value < 1 << (8 * size - 2):
+            return (value | tag << (8 * size - 8)).to_bytes(size, "big")
+    raise ValueError("varint too large")
+
+
+def with_max_udp_payload_size(params: bytes, size: int) -> bytes:
+    """Encoded QUIC transport parameters with ``max_udp_payload_size`` set to ``size``
+    (replaced where present, appended otherwise; every other parameter kept as is)."""
+    value = _varint(size)
+    entry = _varint(_TP_MAX_UDP_PAYLOAD_SIZE) + _varint(len(value)) + value
+    out = bytearray()
+    pos = 0
+    while pos < len(params):
+        start = pos
+        pid, pos = _pull_varint(params, pos)
+        length, pos = _pull_varint(params, pos)
+        pos += length
+        if pos > len(params):
+            raise ValueError("truncated transport parameter")
+        out += entry if pid == _TP_MAX_UDP_PAYLOAD_SIZE else params[start:pos]
+        if pid == _TP_MAX_UDP_PAYLOAD_SIZE:
+            entry = b""
+    return bytes(out + entry)
+
+
+def _qh3_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any]:
+    """qh3's ``QuicConnection``; its clients advertise their ``max_datagram_size`` (see above)."""
+
+    def connection(*, configuration: Any, **kwargs: Any) -> Any:
+        conn = connection_cls(configuration=configuration, **kwargs)
+        size = int(configuration.max_datagram_size)
+        if not configuration.is_client or size <= QH3_CLIENT_MAX_UDP_PAYLOAD:
+            return conn
+        create_tls = conn._create_tls
+
+        def create_tls_advertising(*args: Any, **kw: Any) -> Any:
+            bridge = create_tls(*args, **kw)
+            exts = bridge.tls.handshake_extensions
+            for i, (kind, data) in enumerate(exts):
+                if kind == _TLS_EXT_QUIC_TRANSPORT_PARAMETERS:
+                    exts[i] = (kind, with_max_udp_payload_size(data, size))
+            return bridge
+
+        conn._create_tls = create_tls_advertising
+        return conn
+
+    return connection
 
 
 def load_stack(name: str = "aioquic") -> QuicStack:
@@ -77,9 +195,13 @@ def load_stack(name: str = "aioquic") -> QuicStack:
     if name == "aioquic":
         buffer_cls = importlib.import_module("aioquic.buffer").Buffer
         unsent = _aioquic_unsent
+        datagrams = _aioquic_datagrams
+        connection = conn_mod.QuicConnection
     else:
         buffer_cls = importlib.import_module("qh3._hazmat").Buffer
         unsent = _qh3_unsent
+        datagrams = _qh3_datagrams
+        connection = _qh3_connection(conn_mod.QuicConnection)
     pull = packet_mod.pull_quic_header
 
     def pull_header(data: bytes, cid_length: int) -> Any:
@@ -88,10 +210,11 @@ def load_stack(name: str = "aioquic") -> QuicStack:
     return QuicStack(
         name=name,
         configuration=config_mod.QuicConfiguration,
-        connection=conn_mod.QuicConnection,
+        connection=connection,
         events=events_mod,
         pull_header=pull_header,
         encode_version_negotiation=packet_mod.encode_quic_version_negotiation,
         packet_type_initial=packet_mod.QuicPacketType.INITIAL,
         unsent_bytes=unsent,
+        datagrams_to_send=datagrams,
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import attrs
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -40,7 +41,9 @@ class TlsConfig:
     verify: bool = True
 
     def check(self) -> None:
-        """Raise :class:`TlsError` with a one-line reason if a named file is unusable."""
+        """Raise :class:`TlsError` with a one-line reason if a named file is unusable
+        (or the server key does not belong to the certificate: the stacks would load
+        such a pair and only fail each handshake)."""
         for what, name in (
             ("certificate", self.certfile),
             ("key", self.keyfile),
@@ -50,9 +53,17 @@ class TlsConfig:
                 raise TlsError(f"{what} file not found: {name}")
         if self.certfile is not None:
             try:
-                x509.load_pem_x509_certificate(Path(self.certfile).read_bytes())
+                cert = x509.load_pem_x509_certificate(Path(self.certfile).read_bytes())
             except ValueError as exc:
                 raise TlsError(f"not a PEM certificate: {self.certfile}") from exc
+            keyfile = self.keyfile or self.certfile  # a PEM file may hold both
+            try:
+                key = serialization.load_pem_private_key(Path(keyfile).read_bytes(), None)
+            except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+                raise TlsError(f"not a usable PEM private key: {keyfile}") from exc
+            spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+            if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+                raise TlsError(f"the key {keyfile} does not belong to the certificate")
 
 
 def self_signed(
