@@ -649,3 +649,88 @@ def test_repr_mentions_the_track() -> None:
     s = store()
     s.append(0, 0, b"abc")
     assert "k.2ef16.2es0 objects=1 bytes=3 largest={0,0}" in repr(s)
+
+
+def test_append_received_matches_append_and_checks_what_the_store_holds() -> None:
+    a = TrackStore(FullTrackName(TrackNamespace.of("ns"), b"a"))
+    b = TrackStore(FullTrackName(TrackNamespace.of("ns"), b"b"))
+    props = (KeyValuePair(0x41, b"x"),)
+    rows = [
+        (Location(0, 0), b"p0", 0, 7, ObjectStatus.NORMAL, props),
+        (Location(0, 1), b"p1", 0, 7, ObjectStatus.NORMAL, ()),
+        (Location(0, 2), b"", 0, 7, ObjectStatus.END_OF_GROUP, ()),
+        (Location(1, 0), b"d", None, 9, ObjectStatus.NORMAL, ()),
+    ]
+    for loc, data, sg, prio, status, pr in rows:
+        a.append(
+            loc.group,
+            loc.object,
+            data,
+            subgroup_id=sg,
+            publisher_priority=prio,
+            status=status,
+            properties=pr,
+            datagram=sg is None,
+        )
+        b.append_received(
+            loc,
+            memoryview(data),
+            subgroup_id=sg,
+            publisher_priority=prio,
+            status=status,
+            properties=pr,
+        )
+    got_a = [
+        (
+            o.location,
+            o.subgroup_id,
+            o.publisher_priority,
+            o.status,
+            o.properties,
+            bytes(o.payload),
+            o.datagram,
+        )
+        for o in a.objects_in(Location(0, 0))
+    ]
+    got_b = [
+        (
+            o.location,
+            o.subgroup_id,
+            o.publisher_priority,
+            o.status,
+            o.properties,
+            bytes(o.payload),
+            o.datagram,
+        )
+        for o in b.objects_in(Location(0, 0))
+    ]
+    assert got_a == got_b and len(got_b) == 4
+    assert b.largest == a.largest
+    # a duplicate is the stored object; a conflict and an object beyond End of Group raise
+    again = b.append_received(
+        Location(0, 1),
+        memoryview(b"p1"),
+        subgroup_id=0,
+        publisher_priority=7,
+        status=ObjectStatus.NORMAL,
+        properties=(),
+    )
+    assert bytes(again.payload) == b"p1" and len(b) == 4
+    with pytest.raises(ConflictingObject):
+        b.append_received(
+            Location(0, 1),
+            memoryview(b"XX"),
+            subgroup_id=0,
+            publisher_priority=7,
+            status=ObjectStatus.NORMAL,
+            properties=(),
+        )
+    with pytest.raises(BeyondEnd):
+        b.append_received(
+            Location(0, 5),
+            memoryview(b"late"),
+            subgroup_id=0,
+            publisher_priority=7,
+            status=ObjectStatus.NORMAL,
+            properties=(),
+        )

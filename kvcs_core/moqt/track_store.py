@@ -511,6 +511,58 @@ class TrackStore:
                 raise ValueError(f"a {status.name} object has no properties")
             view = _EMPTY
 
+        return self._store(loc, sg, publisher_priority, status, props, view, datagram, bytes(head))
+
+    def append_received(
+        self,
+        location: Location,
+        payload: memoryview,
+        *,
+        subgroup_id: int | None,
+        publisher_priority: int,
+        status: ObjectStatus,
+        properties: KeyValuePairs,
+    ) -> StoredObject:
+        """:meth:`append` for an object a session decoded (a relay's cache): trusted fields.
+
+        The wire decoder has already checked what :meth:`append` re-checks: the
+        Location and Subgroup ID are vi64, the priority is 0..255, ``status`` is an
+        :class:`ObjectStatus`, ``properties`` a tuple of ``KeyValuePair`` and
+        ``payload`` a byte view (empty for status objects). ``subgroup_id`` ``None``
+        means Datagram forwarding preference. Everything that depends on what the
+        store already holds is checked as in :meth:`append` (conflicts, duplicates,
+        End of Group / End of Track), with the same exceptions.
+        """
+        if self._notifying:
+            raise RuntimeError("a TrackStore listener must not append to the store")
+        if status is not ObjectStatus.NORMAL:
+            if payload.nbytes or properties:
+                raise ValueError(f"a {status.name} object has no payload or properties")
+            payload = _EMPTY
+        return self._store(
+            location,
+            subgroup_id,
+            publisher_priority,
+            status,
+            properties,
+            payload,
+            subgroup_id is None,
+            b"",
+        )
+
+    def _store(
+        self,
+        loc: Location,
+        sg: int | None,
+        publisher_priority: int | None,
+        status: ObjectStatus,
+        props: KeyValuePairs,
+        view: memoryview,
+        datagram: bool,
+        head: bytes,
+    ) -> StoredObject:
+        """The part of :meth:`append` that depends on what the store holds."""
+        group_id, object_id = loc.group, loc.object
         grp = self._groups.get(group_id)
         if publisher_priority is None:
             # a subgroup has one priority (d21 section 5.1): inherit it, else the track default
@@ -519,9 +571,7 @@ class TrackStore:
         prio = _check_priority(publisher_priority, "publisher_priority")
         if head and status is not ObjectStatus.NORMAL:
             raise ValueError(f"a {status.name} object has no payload")
-        cand = StoredObject(
-            loc, sg, prio, status, props, view, datagram, self._next_seq, bytes(head)
-        )
+        cand = StoredObject(loc, sg, prio, status, props, view, datagram, self._next_seq, head)
         if grp is not None:
             existing = grp.objects.get(object_id)
             if existing is not None:

@@ -176,15 +176,13 @@ class Cache:
         entry.bytes_received += size
         sg = e.subgroup_id
         loc = e.location
-        store.append(
-            loc.group,
-            loc.object,
+        store.append_received(  # fields the session's decoder already checked
+            loc,
             payload,
             subgroup_id=sg,
             publisher_priority=e.publisher_priority,
             status=e.status,
             properties=e.properties,
-            datagram=sg is None,
         )
         if len(store) == before_n:
             entry.duplicates += 1
