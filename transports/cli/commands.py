@@ -133,11 +133,19 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             max_datagram_size=args.datagram_size,
         ) as server:
             where = f"moqt://{server.address[0]}:{server.address[1]}"
+            wt_url = f"https://{server.address[0]}:{server.address[1]}/"
             if args.json:
-                json_line(event="listening", url=where, ca=tls.cafile, stack=args.stack)
+                json_line(
+                    event="listening",
+                    url=where,
+                    webtransport_url=wt_url,
+                    ca=tls.cafile,
+                    stack=args.stack,
+                )
             else:
                 print(
-                    f"kvcs relay: listening on {where} ({args.stack}, {args.loop}"
+                    f"kvcs relay: listening on {where} and {wt_url} (WebTransport) "
+                    f"({args.stack}, {args.loop}"
                     + (f", self-signed; CA {tls.cafile}" if args.self_signed else "")
                     + (f", upstream {args.upstream}" if args.upstream else "")
                     + ")",

@@ -26,7 +26,10 @@ def is_loopback(host: str) -> bool:
 
 
 def client_session_config(url: MoqtUrl) -> SessionConfig:
-    """A client session naming the server's authority and path (wire reference section 1)."""
+    """A client session naming the server's authority and path (wire reference 3.1);
+    over WebTransport neither (they travel in the CONNECT request instead)."""
+    if url.webtransport:
+        return SessionConfig(role=Role.CLIENT, webtransport=True)
     return SessionConfig(
         role=Role.CLIENT,
         authority=url.authority.encode(),
@@ -41,10 +44,24 @@ def relay_endpoint(
     relay_config: RelayConfig | None,
     max_datagram_size: int | None,
     max_connections: int,
+    webtransport: bool = True,
 ) -> QuicEndpoint:
     st = load_stack(stack)
-    cfg = quic_configuration(st, is_client=False, tls=tls, max_datagram_size=max_datagram_size)
-    return QuicEndpoint(st, cfg, RelayApp(Relay(relay_config)), max_connections=max_connections)
+    webtransport = webtransport and st.h3_connection is not None
+    cfg = quic_configuration(
+        st,
+        is_client=False,
+        tls=tls,
+        max_datagram_size=max_datagram_size,
+        webtransport=webtransport,
+    )
+    return QuicEndpoint(
+        st,
+        cfg,
+        RelayApp(Relay(relay_config)),
+        max_connections=max_connections,
+        webtransport=webtransport,
+    )
 
 
 def client_endpoint(*, stack: str, app: ClientApp | None = None) -> QuicEndpoint:
@@ -62,6 +79,7 @@ def client_configuration(
         tls=tls or TlsConfig(),
         server_name=url.host,
         max_datagram_size=max_datagram_size,
+        webtransport=url.webtransport,
     )
 
 

@@ -399,6 +399,7 @@ def open_session(
         driver.now(),
         configuration=client_configuration(endpoint, target, tls, max_datagram_size),
         session_config=client_session_config(target),
+        webtransport=(target.authority, target.path or "/") if target.webtransport else None,
     )
     driver.wake()
     return MoqtClient(driver, pump, app, url)

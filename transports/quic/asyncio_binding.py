@@ -172,8 +172,13 @@ async def serve_relay(
     max_datagram_size: int | None = None,
     max_connections: int = 256,
     timeout: float = 10.0,
+    webtransport: bool = True,
 ) -> AsyncIterator[RelayServer]:
-    """A caching relay on ``listen`` (``host:port``); ``upstream``: a parent relay's URL."""
+    """A caching relay on ``listen`` (``host:port``); ``upstream``: a parent relay's URL.
+
+    Clients reach it over native QUIC (``moqt://``) and, unless ``webtransport`` is
+    false, over WebTransport (``https://host:port/...``) on the same UDP port.
+    """
     host, port = parse_hostport(listen)
     endpoint = relay_endpoint(
         tls=tls,
@@ -181,6 +186,7 @@ async def serve_relay(
         relay_config=relay_config,
         max_datagram_size=max_datagram_size,
         max_connections=max_connections,
+        webtransport=webtransport,
     )
     async with open_endpoint(endpoint, host, port) as driver:
         parent = None
@@ -192,6 +198,7 @@ async def serve_relay(
                 driver.now(),
                 configuration=client_configuration(endpoint, url, upstream_tls, max_datagram_size),
                 session_config=client_session_config(url),
+                webtransport=(url.authority, url.path or "/") if url.webtransport else None,
             )
             parent = MoqtClient(driver, pump, ClientApp(), upstream)
             driver.wake()

@@ -20,6 +20,9 @@ import attrs
 from .stack import ALPN, QuicStack
 from .tls import TlsConfig, TlsError
 
+H3_ALPN = "h3"
+"""ALPN of HTTP/3, over which WebTransport (and so MOQT over WebTransport) runs."""
+
 DEFAULT_PORT = 443
 MAX_DATA = 64 * 1024 * 1024
 MAX_STREAM_DATA = 16 * 1024 * 1024
@@ -36,6 +39,8 @@ class MoqtUrl:
     port: int
     path: str
     """``path-abempty`` plus ``?query`` (empty for the root)."""
+    webtransport: bool = False
+    """``https://``: MOQT over a WebTransport session (extended CONNECT to ``path``)."""
 
     @property
     def authority(self) -> str:
@@ -43,10 +48,11 @@ class MoqtUrl:
 
 
 def parse_url(url: str) -> MoqtUrl:
-    """Parse ``moqt://host[:port][/path][?query]``; raise :class:`UrlError` otherwise."""
+    """Parse ``moqt://host[:port][/path][?query]`` (native QUIC) or ``https://...``
+    (WebTransport, wire reference 3.1); raise :class:`UrlError` otherwise."""
     parts = urlsplit(url)
-    if parts.scheme != "moqt":
-        raise UrlError(f"not a moqt:// URL: {url!r}")
+    if parts.scheme not in ("moqt", "https"):
+        raise UrlError(f"not a moqt:// (or https:// for WebTransport) URL: {url!r}")
     try:
         port = parts.port or DEFAULT_PORT
     except ValueError as exc:
@@ -54,7 +60,7 @@ def parse_url(url: str) -> MoqtUrl:
     if not parts.hostname:
         raise UrlError(f"no host in {url!r}")
     path = parts.path + (f"?{parts.query}" if parts.query else "")
-    return MoqtUrl(parts.hostname, port, path)
+    return MoqtUrl(parts.hostname, port, path, webtransport=parts.scheme == "https")
 
 
 def parse_hostport(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
@@ -76,9 +82,18 @@ def quic_configuration(
     server_name: str | None = None,
     max_datagram_size: int | None = None,
     idle_timeout: float = 30.0,
+    webtransport: bool = False,
 ) -> Any:
-    """A ``QuicConfiguration`` of ``stack`` for a kvcs client or server."""
-    cfg = stack.configuration(is_client=is_client, alpn_protocols=[ALPN])
+    """A ``QuicConfiguration`` of ``stack`` for a kvcs client or server.
+
+    ``webtransport``: a client offers only ``h3`` (WebTransport); a server offers
+    ``moqt-22`` and ``h3``, so both kinds of client reach it on one port.
+    """
+    if webtransport:
+        alpns = [H3_ALPN] if is_client else [ALPN, H3_ALPN]
+    else:
+        alpns = [ALPN]
+    cfg = stack.configuration(is_client=is_client, alpn_protocols=alpns)
     cfg.max_datagram_frame_size = MAX_DATAGRAM_FRAME
     cfg.max_data = MAX_DATA
     cfg.max_stream_data = MAX_STREAM_DATA

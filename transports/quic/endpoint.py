@@ -32,6 +32,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import attrs
+
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.events import SessionEvent
 from kvcs_core.moqt.session import MoqtSession
@@ -75,6 +77,8 @@ class QuicEndpoint:
             its role (server connections) or is given per :meth:`connect`.
         max_unsent: per connection, see :class:`~.pump.SessionPump`.
         max_connections: accepted or opened connections alive at once.
+        webtransport: a server also accepts MOQT over WebTransport (ALPN ``h3``;
+            its configuration must offer that ALPN too).
     """
 
     def __init__(
@@ -86,8 +90,10 @@ class QuicEndpoint:
         session_config: Callable[[Role], SessionConfig] | None = None,
         max_unsent: int = DEFAULT_MAX_UNSENT,
         max_connections: int = 256,
+        webtransport: bool = False,
     ) -> None:
         self.stack = stack
+        self.webtransport = webtransport
         self.configuration = configuration
         self.app = app
         self.session_config = session_config or (lambda role: SessionConfig(role=role))
@@ -107,16 +113,22 @@ class QuicEndpoint:
         *,
         configuration: Any = None,
         session_config: SessionConfig | None = None,
+        webtransport: tuple[str, str] | None = None,
     ) -> SessionPump:
         """Open a client connection to ``addr``; the session starts after the handshake.
 
         ``configuration``: a client ``QuicConfiguration`` for this connection
-        (server name, trust); the endpoint's own when omitted.
+        (server name, trust); the endpoint's own when omitted. ``webtransport``:
+        ``(authority, path)`` of a WebTransport session to open (the configuration
+        then offers ALPN ``h3``) instead of native QUIC.
         """
         if len(self.pumps) >= self.max_connections:
             raise RuntimeError(f"connection limit reached ({self.max_connections})")
         quic = self.stack.connection(configuration=configuration or self.configuration)
-        pump = self._adopt(quic, session_config or self.session_config(Role.CLIENT), now)
+        config = session_config or self.session_config(Role.CLIENT)
+        if webtransport is not None:
+            config = attrs.evolve(config, webtransport=True)
+        pump = self._adopt(quic, config, now, wt_target=webtransport)
         quic.connect(addr, now=now)
         pump.cid_changes.append((True, quic.host_cid))
         self._update_cids(pump)
@@ -162,6 +174,10 @@ class QuicEndpoint:
         for _ in range(MAX_SERVICE_ROUNDS):
             dispatched = False
             for pump in list(self.pumps):
+                if not pump.announced and pump.handshake_complete:
+                    # the session is known only now (native QUIC or WebTransport)
+                    pump.announced = True
+                    self.app.connection_made(pump, now)
                 while pump.events:
                     self.app.handle_session_event(pump, pump.events.popleft(), now)
                     dispatched = True
@@ -252,7 +268,9 @@ class QuicEndpoint:
         pump.cid_changes.append((True, quic.host_cid))
         return pump
 
-    def _adopt(self, quic: Any, config: SessionConfig, now: float) -> SessionPump:
+    def _adopt(
+        self, quic: Any, config: SessionConfig, now: float, wt_target: tuple[str, str] | None = None
+    ) -> SessionPump:
         self._serial += 1
         role = "client" if config.role is Role.CLIENT else "server"
         pump = SessionPump(
@@ -261,9 +279,10 @@ class QuicEndpoint:
             MoqtSession(config),
             max_unsent=self.max_unsent,
             label=f"{role}#{self._serial}",
+            webtransport=self.webtransport,
+            wt_target=wt_target,
         )
         self.pumps.append(pump)
-        self.app.connection_made(pump, now)
         return pump
 
     def _update_cids(self, pump: SessionPump) -> None:

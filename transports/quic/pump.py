@@ -27,7 +27,10 @@ come out.
   :meth:`SessionPump.flush` so that whatever the application commanded goes
   out.
 * **Lifetime.** The session starts (sends SETUP) when the handshake completes
-  with ALPN ``moqt-22``; any other ALPN closes the connection. A QUIC
+  with ALPN ``moqt-22``, or, over WebTransport (ALPN ``h3``, when the pump
+  allows it), when the CONNECT is answered 200 (:mod:`.webtransport`: its
+  streams, datagrams and close stand in for QUIC's, and stream error codes are
+  mapped into the HTTP/3 space); any other ALPN closes the connection. A QUIC
   connection termination reaches the session as ``TransportClosed``. An
   exception raised by the stack itself ends this one connection the same
   way (logged as a warning), never the endpoint and its other connections.
@@ -38,6 +41,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 from typing import Any
+
+import attrs
 
 from kvcs_core.moqt.events import SessionClosed, SessionEvent
 from kvcs_core.moqt.session import MoqtSession
@@ -58,7 +63,9 @@ from kvcs_core.moqt.transport_io import (
     WriteStream,
 )
 
+from . import webtransport as wt
 from .stack import ALPN, QuicStack
+from .webtransport import H3_ALPN, WebTransportLink, wt_to_http
 
 log = logging.getLogger("kvcs.quic")
 
@@ -67,6 +74,9 @@ DEFAULT_MAX_UNSENT = 1 << 20
 
 ALPN_MISMATCH = 0x178
 """QUIC CRYPTO_ERROR(no_application_protocol): the peer did not agree on ``moqt-22``."""
+
+H3_NO_ERROR = 0x100
+"""HTTP/3 H3_NO_ERROR: the QUIC close after a WebTransport session ended."""
 
 QUIC_INTERNAL_ERROR = 0x1
 """The code reported to the session when the QUIC stack itself failed on this connection."""
@@ -83,6 +93,8 @@ class SessionPump:
         *,
         max_unsent: int = DEFAULT_MAX_UNSENT,
         label: str = "",
+        webtransport: bool = False,
+        wt_target: tuple[str, str] | None = None,
     ) -> None:
         self.stack = stack
         self.quic = quic
@@ -106,6 +118,15 @@ class SessionPump:
         """Why the session or connection ended, in one line (``None`` while open)."""
         self.cid_changes: list[tuple[bool, bytes]] = []
         """Connection IDs the stack issued (True) or retired (False), for the endpoint's demux."""
+        self.allow_webtransport = webtransport
+        """A server: accept WebTransport (ALPN h3) besides native QUIC. A client: set by
+        ``wt_target`` (``(authority, path)``), which makes it speak WebTransport."""
+        self.wt_target = wt_target
+        self.wt: WebTransportLink | None = None
+        """The WebTransport session this MOQT session runs over, if it does."""
+        self.announced = False
+        """The endpoint told its application about this connection (after the handshake,
+        once it is known whether the session runs over QUIC or WebTransport)."""
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -215,7 +236,11 @@ class SessionPump:
     def _process_quic_events(self, now: float) -> None:
         ev = self.stack.events
         while (qe := self.quic.next_event()) is not None:
-            if isinstance(qe, ev.StreamDataReceived):
+            if self.wt is not None and not isinstance(
+                qe, ev.ConnectionTerminated | ev.ConnectionIdIssued | ev.ConnectionIdRetired
+            ):
+                self._on_webtransport(qe, now)
+            elif isinstance(qe, ev.StreamDataReceived):
                 ref = self._peer_ref(qe.stream_id, now)
                 if ref is not None:
                     self._feed(StreamData(stream=ref, data=qe.data, fin=qe.end_stream), now)
@@ -249,6 +274,9 @@ class SessionPump:
 
     def _on_handshake(self, qe: Any, now: float) -> None:
         self.alpn = qe.alpn_protocol
+        if qe.alpn_protocol == H3_ALPN and (self.allow_webtransport or self.wt_target):
+            self._start_webtransport(now)
+            return
         if qe.alpn_protocol != ALPN:
             log.warning(
                 "%s: peer negotiated ALPN %r, not %s; closing", self.label, qe.alpn_protocol, ALPN
@@ -258,6 +286,55 @@ class SessionPump:
         self.handshake_complete = True
         self.session.start(now=now)
         self._drain_session()
+
+    # --- WebTransport (see .webtransport) -------------------------------------------------
+
+    def _start_webtransport(self, now: float) -> None:
+        authority, path = self.wt_target or ("", "/")
+        self.wt = WebTransportLink(self.stack, self.quic, authority=authority, path=path)
+        if not self.session.config.webtransport:  # a server learns it from the ALPN
+            self.session = MoqtSession(attrs.evolve(self.session.config, webtransport=True))
+
+    def _on_webtransport(self, qe: Any, now: float) -> None:
+        assert self.wt is not None
+        for item in self.wt.handle(qe):
+            if isinstance(item, wt.Data):
+                ref = self._peer_ref(item.stream_id, now)
+                if ref is not None:
+                    self._feed(StreamData(stream=ref, data=item.data, fin=item.fin), now)
+            elif isinstance(item, wt.Reset):
+                ref = self._peer_ref(item.stream_id, now)
+                if ref is not None:
+                    self._feed(StreamAborted(stream=ref, kind=AbortKind.RESET, code=item.code), now)
+            elif isinstance(item, wt.StopSending):
+                self._send_done.add(item.stream_id)  # the stack answered with a reset
+                self._unsent_streams.discard(item.stream_id)
+                ref = self._ref_of.get(item.stream_id)
+                if ref is not None:
+                    self._feed(
+                        StreamAborted(stream=ref, kind=AbortKind.STOP_SENDING, code=item.code), now
+                    )
+            elif isinstance(item, wt.Datagram):
+                self._feed(DatagramReceived(data=item.data), now)
+            elif isinstance(item, wt.Established):
+                self.handshake_complete = True
+                self.session.start(now=now)
+                self._drain_session()
+            elif isinstance(item, wt.Ended):
+                self._on_webtransport_ended(item, now)
+
+    def _on_webtransport_ended(self, item: wt.Ended, now: float) -> None:
+        if self.close_reason is None:
+            self.close_reason = (
+                f"{item.reason or 'WebTransport session closed'} (code {item.code:#x})"
+            )
+        if self.handshake_complete and not self.terminated:
+            self.terminated = True
+            self.session.handle_transport_event(
+                TransportClosed(code=item.code, reason=item.reason, by_peer=True), now
+            )
+            self._drain_session()
+        self._close_quic(H3_NO_ERROR, "WebTransport session closed")
 
     def _on_terminated(self, qe: Any, now: float) -> None:
         if self.terminated:
@@ -328,18 +405,31 @@ class SessionPump:
         if isinstance(cmd, WriteStream):
             return self._write(cmd)
         if isinstance(cmd, OpenStream):
-            sid = self.quic.get_next_available_stream_id(cmd.uni)
+            if self.wt is not None:
+                sid = self.wt.open_stream(cmd.uni)
+            else:
+                sid = self.quic.get_next_available_stream_id(cmd.uni)
+                self.quic.send_stream_data(sid, b"", False)
             self._sid_of[cmd.stream] = sid
             self._ref_of[sid] = cmd.stream
-            self.quic.send_stream_data(sid, b"", False)
         elif isinstance(cmd, SendDatagram):
             data = b"".join(cmd.chunks)
-            self.quic.send_datagram_frame(data)
+            if self.wt is not None:
+                self.wt.datagram(data)
+            else:
+                self.quic.send_datagram_frame(data)
             return len(data)
         elif isinstance(cmd, AbortStream):
             self._abort(cmd)
         elif isinstance(cmd, CloseTransport):
-            self._close_quic(cmd.code, cmd.reason)
+            if self.wt is not None:  # CLOSE_WEBTRANSPORT_SESSION carries the MOQT code
+                try:
+                    self.wt.close(cmd.code, cmd.reason)
+                except Exception as exc:  # e.g. the connection is gone already
+                    log.debug("%s: CLOSE_WEBTRANSPORT_SESSION not sent: %s", self.label, exc)
+                self._close_quic(H3_NO_ERROR, cmd.reason)
+            else:
+                self._close_quic(cmd.code, cmd.reason)
         return 0
 
     def _write(self, cmd: WriteStream) -> int:
@@ -369,19 +459,23 @@ class SessionPump:
         sid = self._sid_of.get(cmd.stream)
         if sid is None:
             return
+        code = cmd.code if self.wt is None else wt_to_http(cmd.code)
         if cmd.kind is AbortKind.RESET:
             if sid not in self._send_done:
                 self._send_done.add(sid)
                 self._unsent_streams.discard(sid)
-                self.quic.reset_stream(sid, cmd.code)
+                self.quic.reset_stream(sid, code)
         else:
-            self.quic.stop_stream(sid, cmd.code)
+            self.quic.stop_stream(sid, code)
 
     def _close_quic(self, code: int, reason: str, *, transport: bool = False) -> None:
         if self._closing:
             return
         self._closing = True
-        if transport:
-            self.quic.close(error_code=code, frame_type=0, reason_phrase=reason)
-        else:
-            self.quic.close(error_code=code, reason_phrase=reason)
+        try:
+            if transport:
+                self.quic.close(error_code=code, frame_type=0, reason_phrase=reason)
+            else:
+                self.quic.close(error_code=code, reason_phrase=reason)
+        except Exception as exc:  # qh3 raises when the connection is closed already
+            log.debug("%s: close not sent: %s", self.label, exc)

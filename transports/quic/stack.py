@@ -72,6 +72,9 @@ class QuicStack:
     """``(connection, stream_id) -> bytes written but not yet sent once``."""
     datagrams_to_send: Callable[[Any, float], list[tuple[bytes, Any]]]
     """``(connection, now) -> [(datagram, address)]``: the connection's ``datagrams_to_send``."""
+    h3_connection: Callable[..., Any] | None = None
+    """The stack's ``H3Connection`` (for WebTransport), ``None`` if it has none."""
+    h3_events: ModuleType | None = None
 
 
 def _aioquic_unsent(conn: Any, stream_id: int) -> int:
@@ -207,6 +210,11 @@ def load_stack(name: str = "aioquic") -> QuicStack:
     def pull_header(data: bytes, cid_length: int) -> Any:
         return pull(buffer_cls(data=data), host_cid_length=cid_length)
 
+    try:
+        h3_mod: ModuleType | None = importlib.import_module(f"{name}.h3.connection")
+        h3_events_mod: ModuleType | None = importlib.import_module(f"{name}.h3.events")
+    except ImportError:
+        h3_mod = h3_events_mod = None
     return QuicStack(
         name=name,
         configuration=config_mod.QuicConfiguration,
@@ -217,4 +225,6 @@ def load_stack(name: str = "aioquic") -> QuicStack:
         packet_type_initial=packet_mod.QuicPacketType.INITIAL,
         unsent_bytes=unsent,
         datagrams_to_send=datagrams,
+        h3_connection=h3_mod.H3Connection if h3_mod is not None else None,
+        h3_events=h3_events_mod,
     )
