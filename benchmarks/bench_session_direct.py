@@ -60,14 +60,15 @@ class DirectPump:
 
     def apply(self, src: MoqtSession, cmd: Any) -> None:
         dst = self.peer[id(src)]
-        if isinstance(cmd, OpenStream):
+        if isinstance(cmd, OpenStream) or (isinstance(cmd, WriteStream) and cmd.opens):
             n = self.counters[id(dst)]
             self.counters[id(dst)] = n + 1
             theirs = StreamRef(False, n)
             self.maps[id(src)][cmd.stream] = theirs
             self.maps[id(dst)][theirs] = cmd.stream
-            dst.handle_transport_event(StreamOpened(stream=theirs, uni=cmd.uni), 0.0)
-        elif isinstance(cmd, WriteStream):
+            uni = cmd.uni if isinstance(cmd, OpenStream) else True
+            dst.handle_transport_event(StreamOpened(stream=theirs, uni=uni), 0.0)
+        if isinstance(cmd, WriteStream):
             ref = self.maps[id(src)][cmd.stream]
             if self.join:
                 # like a QUIC stack: the write is copied into one send buffer

@@ -234,6 +234,11 @@ class ServerUnderTest:
             if not cmd.uni:
                 self.streams.append(cmd.stream)  # the peer may answer on it
         elif isinstance(cmd, WriteStream):
+            if cmd.opens:  # a data stream opened by its first pull
+                assert pulled, f"WriteStream(opens=True) {cmd.stream!r} from next_command"
+                assert cmd.stream.local, f"opens with a peer ref {cmd.stream!r}"
+                assert cmd.stream not in self.state, f"stream {cmd.stream!r} opened twice"
+                self.state[cmd.stream] = _StreamState(local=True, uni=True)
             st = self.state.get(cmd.stream)
             assert st is not None, f"write on unknown stream {cmd.stream!r}"
             assert st.can_send, f"write on receive-only {cmd.stream!r}"

@@ -41,6 +41,12 @@ class Output:
         self.commands.append(OpenStream(stream=ref, uni=uni, priority=priority))
         return ref
 
+    def new_stream_ref(self) -> StreamRef:
+        """A ref for a stream of ours opened later by a ``WriteStream(opens=True)``."""
+        ref = StreamRef(True, self._next_ref)
+        self._next_ref += 1
+        return ref
+
     def write(self, stream: StreamRef, *chunks: bytes | memoryview, fin: bool = False) -> None:
         self.commands.append(WriteStream(stream=stream, chunks=chunks, fin=fin))
 

@@ -209,6 +209,9 @@ class _Sender:
     """Late-fill sender: the Location of the last object queued (fetch order, A27)."""
     next_oid: int = -1
     """Subgroup stream: the smallest Object ID allowed next (-1 before the first object)."""
+    stream_header: bytes = b""
+    """Subgroup sender whose stream is not open yet: its SUBGROUP_HEADER, written with
+    the first pull, which opens the stream (``WriteStream.opens``)."""
 
 
 _DELIVERY: dict[_Kind, int] = {
@@ -563,6 +566,9 @@ class Publisher:
                 ):
                     blocked.append(sender)  # a datagram is never split: wait for room
                     continue
+                if sender.stream is None and len(sender.stream_header) >= max_bytes:
+                    blocked.append(sender)  # a new stream starts with its whole header
+                    continue
                 out = self._produce(sender, max_bytes)
                 self._reschedule(sender)
                 if out is not None:
@@ -588,9 +594,21 @@ class Publisher:
             if not sender.queue and sender.fin_when_drained:
                 self._mark_finished(sender)  # no stream to FIN: the flow just ends
             return out
-        stream = sender.stream
-        assert stream is not None
         chunks: list[bytes | memoryview] = []
+        stream = sender.stream
+        opens = False
+        if stream is None:  # a subgroup stream is opened at its first pull
+            if not sender.queue:
+                if sender.fin_when_drained:  # everything expired before it was sent
+                    self._mark_finished(sender)
+                return None
+            header = sender.stream_header
+            if budget <= len(header):
+                return None
+            stream = self._activate(sender)
+            chunks.append(header)
+            budget -= len(header)
+            opens = True
         partial = sender.partial
         objects = 0
         while budget > 0:
@@ -647,7 +665,16 @@ class Publisher:
         if not partial and sender.fin_when_drained and not sender.queue and sender.cursor is None:
             fin = True
             self._mark_finished(sender)
-        return WriteStream.trusted(stream, tuple(chunks), fin)
+        return WriteStream.trusted(stream, tuple(chunks), fin, opens)
+
+    def _activate(self, sender: _Sender) -> StreamRef:
+        """Open a subgroup sender's stream now (the pull that carries its header)."""
+        ref = self._out.new_stream_ref()
+        sender.stream = ref
+        sender.stream_header = b""
+        self._by_stream[ref] = sender
+        sender.served.streams_opened += 1
+        return ref
 
     def _next_object(self, sender: _Sender) -> StoredObject | None:
         served = sender.served
@@ -833,10 +860,13 @@ class Publisher:
             has_properties=True,
             first_object=first,
         )
-        sender = self._new_sender(served, _Kind.SUBGROUP, priority=obj.publisher_priority)
+        # the stream is opened by the first pull (``_activate``), not now: a producer far
+        # ahead of its link would otherwise hold a stream open per queued group
+        sender = self._new_sender(
+            served, _Kind.SUBGROUP, priority=obj.publisher_priority, stream=False
+        )
         sender.group_id, sender.subgroup_id = key
-        assert sender.stream is not None
-        self._out.write(sender.stream, encode_subgroup_header(header))
+        sender.stream_header = encode_subgroup_header(header)
         served.senders[key] = sender
         return sender
 

@@ -17,7 +17,11 @@ Streams are named by :class:`StreamRef`, an opaque handle. A session allocates
 refs for the streams *it* opens (``local=True``); an adapter allocates refs for
 streams the *peer* opens (``local=False``), so the two can never clash, and the
 adapter keeps the two-way map to its native stream IDs. The core never does
-stream-ID arithmetic (which differs between raw QUIC and WebTransport).
+stream-ID arithmetic (which differs between raw QUIC and WebTransport). A
+stream of ours is opened either by an ``OpenStream`` command (control and
+request streams, fetch and fill streams) or by the first ``WriteStream`` pulled
+for it, which carries ``opens=True`` (subgroup streams: a transport then holds
+open only the streams whose data is being sent).
 
 Payload bytes travel as ``memoryview`` slices; a write is scatter/gather
 (``chunks``) so that an object header and its payload are never concatenated.
@@ -121,6 +125,11 @@ class WriteStream:
     stream: StreamRef
     chunks: tuple[bytes | memoryview, ...] = attrs.field(repr=lambda c: f"<{len(c)} chunks>")
     fin: bool = False
+    opens: bool = False
+    """The stream is new: open it (ours, unidirectional) right before this write. No
+    ``OpenStream`` command precedes it. The session opens data streams this way at
+    their first pull, so that a transport holds open only streams with data ready to
+    go (a producer far ahead of its link queues many groups, one stream each)."""
 
     @property
     def nbytes(self) -> int:
@@ -128,19 +137,25 @@ class WriteStream:
 
     @classmethod
     def trusted(
-        cls, stream: StreamRef, chunks: tuple[bytes | memoryview, ...], fin: bool
+        cls,
+        stream: StreamRef,
+        chunks: tuple[bytes | memoryview, ...],
+        fin: bool,
+        opens: bool = False,
     ) -> WriteStream:
         """Build from values the session made itself (the data pump's per-pull path)."""
         w: WriteStream = object.__new__(cls)
         _WS_STREAM(w, stream)
         _WS_CHUNKS(w, chunks)
         _WS_FIN(w, fin)
+        _WS_OPENS(w, opens)
         return w
 
 
 _WS_STREAM = WriteStream.__dict__["stream"].__set__
 _WS_CHUNKS = WriteStream.__dict__["chunks"].__set__
 _WS_FIN = WriteStream.__dict__["fin"].__set__
+_WS_OPENS = WriteStream.__dict__["opens"].__set__
 
 
 @attrs.frozen(kw_only=True)

@@ -422,23 +422,7 @@ class Link:
         if isinstance(cmd, WriteStream):
             self._write(ep, cmd, now, arrival, pulled=False)
         elif isinstance(cmd, OpenStream):
-            ref = cmd.stream
-            if not ref.local:
-                raise LoopbackError(f"{ep.label}: OpenStream with a peer-side ref {ref!r}")
-            if ref in ep._streams:
-                raise LoopbackError(f"{ep.label}: OpenStream {ref!r} twice")
-            peer_ref = peer._alloc_peer_ref()
-            refs = [ref, ref]
-            refs[peer.side] = peer_ref
-            st = _Stream(ep.side, cmd.uni, refs, injected=False)
-            ep._streams[ref] = st
-            peer._streams[peer_ref] = st
-            self._send_on(
-                ep.side,
-                st,
-                arrival,
-                _Delivery(peer.side, event=StreamOpened(stream=peer_ref, uni=cmd.uni)),
-            )
+            self._open(ep, cmd.stream, cmd.uni, arrival)
         elif isinstance(cmd, AbortStream):
             self._abort(ep, cmd, arrival)
         elif isinstance(cmd, SendDatagram):
@@ -468,9 +452,31 @@ class Link:
         else:  # pragma: no cover - the union is closed
             raise LoopbackError(f"{ep.label}: unknown command {cmd!r}")
 
+    def _open(self, ep: Endpoint, ref: StreamRef, uni: bool, arrival: float) -> None:
+        """A stream of ``ep``'s machine: ``OpenStream``, or a ``WriteStream(opens=True)``."""
+        peer = ep.peer
+        if not ref.local:
+            raise LoopbackError(f"{ep.label}: OpenStream with a peer-side ref {ref!r}")
+        if ref in ep._streams:
+            raise LoopbackError(f"{ep.label}: OpenStream {ref!r} twice")
+        peer_ref = peer._alloc_peer_ref()
+        refs = [ref, ref]
+        refs[peer.side] = peer_ref
+        st = _Stream(ep.side, uni, refs, injected=False)
+        ep._streams[ref] = st
+        peer._streams[peer_ref] = st
+        self._send_on(
+            ep.side,
+            st,
+            arrival,
+            _Delivery(peer.side, event=StreamOpened(stream=peer_ref, uni=uni)),
+        )
+
     def _write(
         self, ep: Endpoint, cmd: WriteStream, start: float, arrival: float, *, pulled: bool
     ) -> None:
+        if cmd.opens:
+            self._open(ep, cmd.stream, True, arrival)
         st = self._stream(ep, cmd.stream, "WriteStream")
         if not st.can_send(ep.side):
             raise LoopbackError(

@@ -405,13 +405,7 @@ class SessionPump:
         if isinstance(cmd, WriteStream):
             return self._write(cmd)
         if isinstance(cmd, OpenStream):
-            if self.wt is not None:
-                sid = self.wt.open_stream(cmd.uni)
-            else:
-                sid = self.quic.get_next_available_stream_id(cmd.uni)
-                self.quic.send_stream_data(sid, b"", False)
-            self._sid_of[cmd.stream] = sid
-            self._ref_of[sid] = cmd.stream
+            self._open(cmd.stream, cmd.uni)
         elif isinstance(cmd, SendDatagram):
             data = b"".join(cmd.chunks)
             if self.wt is not None:
@@ -432,7 +426,18 @@ class SessionPump:
                 self._close_quic(cmd.code, cmd.reason)
         return 0
 
+    def _open(self, ref: StreamRef, uni: bool) -> None:
+        if self.wt is not None:
+            sid = self.wt.open_stream(uni)
+        else:
+            sid = self.quic.get_next_available_stream_id(uni)
+            self.quic.send_stream_data(sid, b"", False)  # reserves the ID
+        self._sid_of[ref] = sid
+        self._ref_of[sid] = ref
+
     def _write(self, cmd: WriteStream) -> int:
+        if cmd.opens:
+            self._open(cmd.stream, True)
         sid = self._sid_of.get(cmd.stream)
         if sid is None or sid in self._send_done:
             log.debug("%s: write to closed or unknown stream %r ignored", self.label, cmd.stream)
