@@ -884,9 +884,15 @@ class MoqtSession(PeerRequests, OwnRequests):
 
     def _classify_uni(self, s: StreamRef, event: StreamData, now: float) -> None:
         buf = self._uni_pending[s]
-        buf += event.data
-        kind = peek_uni_stream_type(buf)
+        if buf:
+            buf += event.data
+            pending: bytes | bytearray | memoryview = buf
+        else:  # usual: the first piece holds the stream type; look at it without a copy
+            pending = event.data
+        kind = peek_uni_stream_type(pending)
         if kind is NEED_MORE:
+            if not buf:
+                buf += event.data
             if event.fin:
                 del self._uni_pending[s]  # an empty or truncated stream: nothing to do
                 if buf:
@@ -895,7 +901,9 @@ class MoqtSession(PeerRequests, OwnRequests):
                     )
             return
         del self._uni_pending[s]
-        data = bytes(buf)
+        # the first piece often carries objects too (a subgroup stream opened by the
+        # pull that writes its first objects): hand it on uncopied when it came whole
+        data = bytes(buf) if buf else event.data
         if kind is UniStreamKind.CONTROL:
             if self._control_in is not None:
                 raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second control stream")
