@@ -401,6 +401,132 @@ def test_evicted_groups_without_upstream_are_holes() -> None:
     assert late.done(r2).status == 0x2
 
 
+# --- an ended track is served from the cache alone ------------------------------------------
+
+
+def _upstream_requests(pub: Any) -> int:
+    return sum(isinstance(e, ev.SubscribeRequested | ev.FetchRequested) for e in pub.requests)
+
+
+def _fetched(s: Subscriber, rid: int) -> bool:
+    return any(e.request_id == rid for e in s.events(ev.DataStreamEnded))
+
+
+def _ended_track(rn: RelayNet, relay: Relay, groups: int = 4, objects: int = 3) -> Any:
+    """A publisher whose track is produced and ended (End of Track) before anyone asks."""
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("done")))
+    for g in range(groups):
+        produce(store, g, objects, size=SIZE)
+    pub.end_track(store, rn.now)
+    return pub, store
+
+
+def _late_requests_stay_local(
+    rn: RelayNet, relay: Relay, pub: Any, store: TrackStore, want: dict[Location, bytes]
+) -> None:
+    """Late SUBSCRIBEs (whole-track fill) and FETCHes get everything from the cache: the
+    publisher sees no new request."""
+    ts = relay.track_stats(store.name)
+    assert ts is not None and ts.complete
+    before, received = _upstream_requests(pub), ts.objects_received
+    for _ in range(2):
+        late = rn.add_subscriber(relay)
+        rid = late.subscribe_all(store.name)
+        whole = late.fetch(store.name)
+        part = late.fetch(store.name, p.LocationFilter.absolute_group_end(1, 0, 2))
+        rn.run_until(
+            lambda late=late, rid=rid, whole=whole, part=part: (
+                late.done(rid) is not None and _fetched(late, whole) and _fetched(late, part)
+            )
+        )
+        assert late.normal(rid) == want
+        assert late.done(rid).status == PublishDoneCode.TRACK_ENDED
+        assert late.normal(whole) == want
+        assert late.normal(part) == {k: v for k, v in want.items() if 1 <= k.group <= 2}
+    assert _upstream_requests(pub) == before  # zero new upstream requests
+    ts = relay.track_stats(store.name)
+    assert ts is not None and ts.complete and ts.objects_received == received
+
+
+def test_a_track_that_ended_before_the_relay_subscribed_is_served_from_the_cache() -> None:
+    """The relay's SUBSCRIBE gets the whole track on the fill, which cannot carry the End of
+    Track object (wire reference 7.5, 7.8), then PUBLISH_DONE TRACK_ENDED: complete."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub, store = _ended_track(rn, relay)
+    first = rn.add_subscriber(relay)
+    rid = first.subscribe_all(store.name)
+    rn.run_until(lambda: first.done(rid) is not None)
+    assert first.normal(rid) == expected(4, 3)
+    assert first.done(rid).status == PublishDoneCode.TRACK_ENDED
+    assert _upstream_requests(pub) == 1
+    _late_requests_stay_local(rn, relay, pub, store, expected(4, 3))
+
+
+def test_a_track_fetched_whole_with_end_of_track_is_served_from_the_cache() -> None:
+    """A FETCH from {0,0} answered with End Of Track makes the cache whole and the track
+    over (a KVCS consumer FETCHes complete segments); a partial FETCH does not."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub, store = _ended_track(rn, relay)
+    first = rn.add_subscriber(relay)
+    part = first.fetch(store.name, p.LocationFilter.absolute_group_end(1, 0, 3))
+    rn.run_until(lambda: _fetched(first, part))
+    ts = relay.track_stats(store.name)
+    assert ts is not None and not ts.complete  # groups 1..3 only: not whole from {0,0}
+    rid = first.fetch(store.name, p.LocationFilter.absolute_group_end(0, 0, 3))
+    rn.run_until(lambda: _fetched(first, rid))
+    assert first.normal(rid) == expected(4, 3)
+    assert _upstream_requests(pub) == 2
+    _late_requests_stay_local(rn, relay, pub, store, expected(4, 3))
+
+
+def test_a_live_track_stays_complete_when_its_subscriber_leaves_before_the_end() -> None:
+    """The subscriber got End of Track and left before the upstream PUBLISH_DONE; with
+    idle_forward off the relay must not pause (FORWARD=0) the whole feed: nothing is left to
+    save, and the pause made the ended cache look not whole."""
+    rn = RelayNet()
+    relay = rn.add_relay(RelayConfig(idle_forward=False))
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("t")))
+    s = rn.add_subscriber(relay)
+    rid = s.subscribe_all(store.name)
+    rn.settle(0.02)
+    for g in range(3):
+        produce(store, g, 3, size=SIZE)
+        rn.settle(0.002)
+    store.append(3, 0, status=ObjectStatus.END_OF_TRACK)  # no PUBLISH_DONE yet
+    rn.run_until(lambda: any(e.status is ObjectStatus.END_OF_TRACK for e in s.objects(rid)))
+    s.session.cancel(rid, now=rn.now)
+    rn.net.poke(s.session)
+    rn.settle(0.02)
+    assert not any(isinstance(e, ev.RequestUpdated) for e in rn.net.events(pub.session))
+    for up_rid in list(pub.served):
+        pub.session.end_subscription(up_rid, PublishDoneCode.TRACK_ENDED, now=rn.now)
+    rn.net.poke(pub.session)
+    rn.settle(0.05)
+    _late_requests_stay_local(rn, relay, pub, store, expected(3, 3))
+
+
+def test_a_track_cut_or_evicted_is_not_complete() -> None:
+    """The upstream lost mid-way, or evicted groups: late requests still go upstream."""
+    rn, relay, pub, store, _s, _rid = one_track(3, 3, end=False)
+    rn.cut(pub.session)
+    rn.settle(0.05)
+    ts = relay.track_stats(store.name)
+    assert ts is not None and not ts.complete
+    rn, relay, pub, store, _s, _rid = one_track(10, 4, config=RelayConfig(cache_budget_bytes=3000))
+    ts = relay.track_stats(store.name)
+    assert ts is not None and not ts.complete and ts.evicted_groups > 0
+    before = _upstream_requests(pub)
+    late = rn.add_subscriber(relay)
+    rid = late.fetch(store.name)
+    rn.run_until(lambda: _fetched(late, rid))
+    assert late.normal(rid) == expected(10, 4)
+    assert _upstream_requests(pub) > before
+
+
 # --- a KVCS publication through the relay ---------------------------------------------------
 
 KVSP = load_vectors("kvsp-vectors.json")
@@ -488,6 +614,83 @@ def test_kvcs_publication_through_the_relay() -> None:
     assert relay.upstream_bytes_received == sum(
         relay.track_stats(name(t)).bytes_received for t in ("k.raw.s0", "v.raw.s0", "manifest")
     )
+
+
+def test_a_finished_kvcs_publication_is_served_to_late_consumers_from_the_cache() -> None:
+    """Issue #5: a consumer joining late gets the whole cache from the nearest relay. The
+    publication is finished before anyone asks: each consumer SUBSCRIBEs to the manifest
+    and FETCHes the complete data tracks; only the first one's requests go upstream."""
+    layers, blocks = 4, 2
+    cd = {**KVSP["inputs"]["compat"], "layers": layers}
+    tokens = list(range(blocks * cd["block_tokens"] + 1))
+    kpub = KvcsPublisher(cd, bytes.fromhex(KVSP["inputs"]["scope_key"]), tokens, bytes(16))
+    rn = RelayNet()
+    relay = rn.add_relay()
+    asked: list[Any] = []
+
+    def serve(session: Any, e: Any, now: float) -> None:
+        if isinstance(e, ev.SubscribeRequested | ev.FetchRequested):
+            asked.append(e)
+        if not kpub.handle_session_event(session, e, now) and isinstance(
+            e, ev.SubscribeNamespaceRequested | ev.SubscribeRequested | ev.FetchRequested
+        ):
+            session.reject_request(e.request_id, RequestErrorCode.DOES_NOT_EXIST, now=now)
+
+    origin = rn.add_origin(relay, serve)
+    kpub.attach(origin, now=rn.now)
+    for layer in range(layers):
+        k = [kv_section(cd, layer, b, 0) for b in range(blocks)]
+        v = [kv_section(cd, layer, b, 1) for b in range(blocks)]
+        kpub.put_layer(layer, k, v, now=rn.now)
+    kpub.finish(now=rn.now)
+    rn.net.poke(origin)
+    rn.settle(0.02)
+
+    def name(t: str) -> FullTrackName:
+        return FullTrackName(kpub.namespace, t.encode())
+
+    data = ("k.raw.s0", "v.raw.s0")
+    got: list[tuple[dict[Location, bytes], ...]] = []
+    for i in range(3):
+        c = rn.add_subscriber(relay)
+        m = c.subscribe_all(name(kpub.manifest_track))
+        fetches = [
+            c.fetch(name(t), p.LocationFilter.absolute_group_end(0, 0, layers - 1)) for t in data
+        ]
+        rn.run_until(
+            lambda c=c, m=m, fetches=fetches: (
+                c.done(m) is not None and all(_fetched(c, f) for f in fetches)
+            )
+        )
+        assert c.done(m).status == PublishDoneCode.TRACK_ENDED
+        got.append((c.normal(m), *(c.normal(f) for f in fetches)))
+        if i == 0:
+            assert sorted(type(e).__name__ for e in asked) == [
+                "FetchRequested",
+                "FetchRequested",
+                "SubscribeRequested",
+            ]
+    assert len(asked) == 3  # the late consumers asked the origin nothing
+    assert got[0] == got[1] == got[2]
+    (manifest,) = got[0][0].values()
+    assert parse_manifest(manifest).segments[0].complete
+    for t, objs in zip(data, got[0][1:], strict=True):
+        assert len(objs) == layers * blocks
+        which = int(t.startswith("v."))
+        for loc, payload_bytes in objs.items():
+            obj = verify_object(
+                payload_bytes,
+                group_id=loc.group,
+                object_id=loc.object,
+                expected_component=Component.V if which else Component.K,
+                expected_token_count=cd["block_tokens"],
+                expected_token_start=loc.object * cd["block_tokens"],
+            )
+            assert isinstance(obj, VerifiedObject), obj
+            assert bytes(obj.data) == kv_section(cd, loc.group, loc.object, which)
+    for t in (kpub.manifest_track, *data):
+        ts = relay.track_stats(name(t))
+        assert ts is not None and ts.complete, t
 
 
 # --- malformed tracks, slow subscribers, PUBLISH, TRACK_STATUS, failover ----------------------

@@ -167,7 +167,7 @@ class RelayCore:
         if track.terminal is not None:
             return track.terminal
         entry = track.entry
-        if entry is not None and entry.store.end_of_track is not None:
+        if entry is not None and (entry.store.end_of_track is not None or track.ended):
             return PublishDoneCode.TRACK_ENDED, "track ended"
         return PublishDoneCode.INTERNAL_ERROR, "no upstream for this track"
 
@@ -309,7 +309,15 @@ class RelayCore:
             location_filter=p.LocationFilter.absolute_group_end(groups.start, 0, groups.stop - 1),
             priority=self.config.upstream_priority,
         )
-        feed = Feed(peer, rid, track, FeedKind.FETCH, purpose=FetchPurpose.REFETCH, groups=groups)
+        feed = Feed(
+            peer,
+            rid,
+            track,
+            FeedKind.FETCH,
+            purpose=FetchPurpose.REFETCH,
+            groups=groups,
+            span_from=Location(groups.start, 0),
+        )
         peer.feeds[rid] = feed
         track.fetches.append(feed)
         return True

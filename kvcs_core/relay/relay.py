@@ -106,9 +106,22 @@ from kvcs_core.relay.tracks import (
 )
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import LocationFilterType, RequestErrorCode
-from kvcs_core.wire.names import FullTrackName, TrackNamespace
+from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 
 __all__ = ["Relay"]
+
+
+def _fixed_start(lf: p.LocationFilter | None) -> Location | None:
+    """Where a FETCH of ``lf`` starts, when that does not depend on Largest Object."""
+    if lf is None or lf.filter_type == LocationFilterType.NONE:
+        return Location(0, 0)
+    if lf.filter_type in (
+        LocationFilterType.ABSOLUTE_START,
+        LocationFilterType.ABSOLUTE_GROUP_END,
+        LocationFilterType.ABSOLUTE_RANGE,
+    ):
+        return lf.start
+    return None
 
 
 class Relay(Offers):
@@ -134,6 +147,7 @@ class Relay(Offers):
             ev.RequestUpdated: self._on_request_updated,
             ev.SubscribeAccepted: self._on_subscribe_accepted,
             ev.FetchAccepted: self._on_fetch_accepted,
+            ev.RangeMarkerReceived: self._on_range_marker,
             ev.RequestAccepted: self._on_request_accepted,
             ev.RequestFailed: self._on_request_failed,
             ev.PublishDoneReceived: self._on_publish_done,
@@ -392,6 +406,7 @@ class Relay(Offers):
             purpose=FetchPurpose.SERVE,
             filter_key=key,
             waiters=[fetch],
+            span_from=_fixed_start(lf),
         )
         up.feeds[rid] = feed
         track.fetches.append(feed)

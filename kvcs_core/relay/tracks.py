@@ -144,6 +144,16 @@ class Feed:
     """REFETCH: the groups asked for."""
     filter_key: tuple[object, ...] | None = None
     """SERVE: what was asked, so that identical downstream FETCHes share one request."""
+    span_from: Location | None = None
+    """FETCH: where the asked range starts, when the filter says so without Largest Object
+    (absolute filters, or none); ``None`` when it is relative."""
+    end_of_track: bool = False
+    """FETCH: FETCH_OK said End Of Track (its End Location is the track's last object)."""
+    end_location: Location | None = None
+    """FETCH: FETCH_OK's End Location."""
+    gaps: bool = False
+    """FETCH: an End of Unknown / Timed-Out Range marker came: objects of the range are
+    missing from what it delivered."""
     updates: int = 0
     """Our REQUEST_UPDATEs on this subscription not answered yet."""
 
@@ -247,8 +257,10 @@ class Track:
     """Upstream FETCHes in flight."""
     contiguous: bool = False
     """Every object from {0,0} to Largest Object was received (some may be evicted since:
-    ``entry.evicted``). Required before a downstream SUBSCRIBE is accepted, so that the
-    session's fill from the cache misses nothing (exactly once, wire reference 6)."""
+    ``entry.evicted``): a whole feed ended, or a FETCH from {0,0} was answered with End Of
+    Track and delivered its range whole. Required before a downstream SUBSCRIBE is
+    accepted, so that the session's fill from the cache misses nothing (exactly once,
+    wire reference 6)."""
     forced: bool = False
     """The fill wait timed out: accept downstream SUBSCRIBEs without ``contiguous``."""
     fill_deadline: float | None = None
@@ -269,6 +281,12 @@ class Track:
     new_group: tuple[int, int | None] | None = None
     """The NEW_GROUP_REQUEST value sent upstream and the Largest Group then: outstanding
     until Largest Group grows (wire reference 5.8)."""
+    ended: bool = False
+    """The upstream said the track is over without an End of Track object reaching the
+    cache: PUBLISH_DONE TRACK_ENDED, or FETCH_OK End Of Track. Status objects travel only on
+    subgroup streams (wire reference 7.5, 7.8): a track the relay got by a fill or a FETCH
+    never caches its End of Track object. Cleared when a new SUBSCRIBE or PUBLISH feeds
+    the track."""
 
     @property
     def live(self) -> bool:
@@ -287,11 +305,12 @@ class Track:
 
     @property
     def complete(self) -> bool:
-        """End of Track known and nothing before it missing or evicted."""
+        """End of Track known (its object cached, or ``ended`` and no upstream feed left)
+        and nothing before it missing or evicted: served without asking upstream."""
         entry = self.entry
         return (
             entry is not None
             and self.whole
-            and entry.store.end_of_track is not None
+            and (entry.store.end_of_track is not None or (self.ended and not self.active))
             and not entry.evicted
         )

@@ -61,6 +61,22 @@ downstream subscriptions end with TRACK_ENDED if End of Track had arrived, else
 INTERNAL_ERROR (0x0): the track did not end, the relay lost its source. The
 cache is kept: later subscribers and FETCHes are served from it.
 
+**Complete tracks**: a track whose cache is whole, with nothing evicted, and
+whose end is known is *complete*: late SUBSCRIBEs (fill from the store, then
+PUBLISH_DONE TRACK_ENDED) and FETCHes are answered from the cache alone. The
+end is known from the cached End of Track object, or from the upstream's word
+(``Track.ended``): a PUBLISH_DONE TRACK_ENDED whose counted streams all
+arrived, or a FETCH from {0,0} answered with End Of Track whose range arrived
+whole (no End of Unknown / Timed-Out Range marker; it also makes the cache
+whole). The word is needed because status objects travel only on subgroup
+streams (wire reference 7.5, 7.8): a track the relay subscribed after it
+ended (everything came on the fill) or only FETCHed never caches its End of
+Track object. An upstream whose feed stops without TRACK_ENDED (lost, another
+status, the grace timer) leaves the track incomplete; a new SUBSCRIBE or
+PUBLISH feeding the track forgets the word. A whole feed of a track whose End
+of Track is cached is not paused (FORWARD=0) when its downstream leaves:
+nothing is left to save, and the pause would leave the cache not whole.
+
 **FETCH**: a downstream FETCH whose range is fully cached (the cache is whole
 up to Largest Object, no evicted group in the range, and Largest Object is
 current: a live upstream subscription or an ended track) is served from the
@@ -94,7 +110,13 @@ from kvcs_core.relay.tracks import (
     Track,
 )
 from kvcs_core.wire import params as p
-from kvcs_core.wire.codes import PropertyType, PublishDoneCode, RequestErrorCode
+from kvcs_core.wire.codes import (
+    EndOfRange,
+    ObjectStatus,
+    PropertyType,
+    PublishDoneCode,
+    RequestErrorCode,
+)
 from kvcs_core.wire.kvp import KeyValuePairs, find_kvp
 from kvcs_core.wire.names import Location
 
@@ -140,6 +162,7 @@ class Upstream(RelayCore):
                 fill_from=fill_from if forward else None,
             )
             track.forced = False
+            track.ended = False  # the new feed says how the track ends now
             peer.feeds[rid] = feed
             track.feeds.append(feed)
             sent += 1
@@ -216,8 +239,13 @@ class Upstream(RelayCore):
         if track.malformed:
             return
         want = self._want_forward(track)
+        entry = track.entry
+        over = entry is not None and entry.store.end_of_track is not None
         for feed in list(track.feeds):
             if feed.state is FeedState.LIVE and feed.forward != want and feed.peer.usable:
+                if not want and over and feed.whole:
+                    continue  # whole through End of Track: a pause saves nothing, and would
+                    # leave the cache looking not whole when the feed ends (not complete)
                 self._set_forward(feed, want)
 
     def _resume_from(self, track: Track) -> Location:
@@ -331,7 +359,15 @@ class Upstream(RelayCore):
             ),
             priority=self.config.upstream_priority,
         )
-        fetch = Feed(peer, rid, track, FeedKind.FETCH, purpose=FetchPurpose.REFILL, refill_of=feed)
+        fetch = Feed(
+            peer,
+            rid,
+            track,
+            FeedKind.FETCH,
+            purpose=FetchPurpose.REFILL,
+            refill_of=feed,
+            span_from=start,
+        )
         peer.feeds[rid] = fetch
         track.fetches.append(fetch)
 
@@ -369,6 +405,7 @@ class Upstream(RelayCore):
         )
         peer.feeds[e.request_id] = feed
         track.feeds.append(feed)
+        track.ended = False  # the new feed says how the track ends now
         if not self._make_store(track, e.track_properties):
             return
         entry = track.entry
@@ -494,6 +531,15 @@ class Upstream(RelayCore):
             entry = track.entry
             if entry is not None and entry.store.largest is not None:
                 track.whole_to = entry.store.largest
+        if (
+            not lost
+            and feed.done_status == PublishDoneCode.TRACK_ENDED
+            and feed.done_streams is not None
+            and feed.streams_ended >= feed.done_streams
+        ):
+            # every stream it counted arrived: nothing follows what is cached (the End of
+            # Track object never reaches the cache when the track ended before our fill)
+            track.ended = True
         if track.active or track.malformed:
             return
         if track.fill_deadline is not None:
@@ -501,7 +547,7 @@ class Upstream(RelayCore):
             self._timed.pop(track, None)
         if lost:
             entry = track.entry
-            if entry is not None and entry.store.end_of_track is not None:
+            if entry is not None and (entry.store.end_of_track is not None or track.ended):
                 status, reason = int(PublishDoneCode.TRACK_ENDED), "track ended"
             else:
                 status, reason = int(PublishDoneCode.INTERNAL_ERROR), "upstream lost"
@@ -574,9 +620,21 @@ class Upstream(RelayCore):
         if feed is None or feed.kind is not FeedKind.FETCH:
             return
         feed.accepted = True
+        feed.end_of_track = e.end_of_track
+        feed.end_location = e.end_location
         if not self._make_store(feed.track, e.track_properties):
             return
         self._check_fetch(feed)
+
+    def _on_range_marker(self, peer: Peer, e: ev.RangeMarkerReceived) -> None:
+        """End of Unknown / Timed-Out Range on one of our FETCHes: its range is not whole."""
+        feed = peer.feeds.get(e.request_id)
+        if (
+            feed is not None
+            and feed.kind is FeedKind.FETCH
+            and e.kind is not EndOfRange.NON_EXISTENT
+        ):
+            feed.gaps = True
 
     def _check_fetch(self, feed: Feed) -> None:
         if feed.accepted and feed.stream_done:
@@ -591,6 +649,8 @@ class Upstream(RelayCore):
         track = feed.track
         if feed in track.fetches:
             track.fetches.remove(feed)
+        if ok and feed.end_of_track:
+            self._fetched_to_end(feed)
         if feed.purpose is FetchPurpose.SERVE:
             for w in feed.waiters:
                 w.peer.fetches.pop(w.request_id, None)
@@ -607,6 +667,22 @@ class Upstream(RelayCore):
             if entry is not None and feed.groups is not None:
                 self._cache.unevict(entry, feed.groups)
             self._serve_pending(track)
+
+    def _fetched_to_end(self, feed: Feed) -> None:
+        """A FETCH answered with End Of Track delivered its range: from {0,0} and with no
+        unknown part, the cache now holds the whole track and the track is over (module
+        docstring, FETCH)."""
+        track, end, entry = feed.track, feed.end_location, feed.track.entry
+        if entry is None or end is None or feed.gaps or feed.span_from != Location(0, 0):
+            return
+        store = entry.store
+        largest = store.largest
+        if largest is None or largest < end:
+            return  # its last object is not in the cache
+        if any(o.status is ObjectStatus.NORMAL for o in store.objects_in(next_after(end))):
+            return  # objects beyond its End of Track came from elsewhere: not whole either way
+        track.contiguous = True
+        track.ended = True
 
     def _has_objects(self, fetch: DownstreamFetch) -> bool:
         entry = fetch.track.entry
