@@ -23,25 +23,14 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import trio
 
-from kvcs_core.relay.config import RelayConfig
-
-from ._setup import (
-    client_configuration,
-    client_endpoint,
-    client_session_config,
-    is_loopback,
-    parse_url,
-    relay_endpoint,
-)
-from .api import ConnectError, MoqtClient, RelayServer, open_session
-from .apps import ClientApp
-from .config import parse_hostport
+from ._entry import client_session, relay_server
+from .api import ConnectError, MoqtClient, RelayServer
 from .endpoint import QuicEndpoint
-from .tls import TlsConfig
 from .udp import UdpSocket
 
 log = logging.getLogger("kvcs.quic")
@@ -154,88 +143,32 @@ async def open_endpoint(endpoint: QuicEndpoint, host: str, port: int) -> AsyncIt
         udp.close()
 
 
-@contextlib.asynccontextmanager
-async def serve_relay(
-    listen: str = "127.0.0.1:4443",
-    *,
-    tls: TlsConfig,
-    stack: str = "aioquic",
-    relay_config: RelayConfig | None = None,
-    upstream: str | None = None,
-    upstream_tls: TlsConfig | None = None,
-    max_datagram_size: int | None = None,
-    max_connections: int = 256,
-    timeout: float = 10.0,
-    webtransport: bool = True,
-) -> AsyncIterator[RelayServer]:
-    """A caching relay on ``listen`` (``host:port``); ``upstream``: a parent relay's URL.
+def serve_relay(
+    listen: str = "127.0.0.1:4443", **options: Any
+) -> AbstractAsyncContextManager[RelayServer]:
+    """A caching relay on ``listen`` (``host:port``), as an async context manager.
 
-    Clients reach it over native QUIC (``moqt://``) and, unless ``webtransport`` is
-    false, over WebTransport (``https://host:port/...``) on the same UDP port.
+    Options: ``tls`` (required: a :class:`~.tls.TlsConfig` with a certificate),
+    ``stack`` (``"aioquic"`` or ``"qh3"``), ``relay_config``, ``upstream`` (a parent
+    relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
+    ``max_connections``, ``timeout`` (for the upstream session), ``webtransport``
+    (default true: clients also reach it over WebTransport, ``https://host:port/...``,
+    on the same UDP port).
     """
-    host, port = parse_hostport(listen)
-    endpoint = relay_endpoint(
-        tls=tls,
-        stack=stack,
-        relay_config=relay_config,
-        max_datagram_size=max_datagram_size,
-        max_connections=max_connections,
-        webtransport=webtransport,
-    )
-    async with open_endpoint(endpoint, host, port) as driver:
-        parent = None
-        if upstream is not None:
-            url = parse_url(upstream)
-            addr = await _resolve(url.host, url.port)
-            pump = endpoint.connect(
-                addr,
-                driver.now(),
-                configuration=client_configuration(endpoint, url, upstream_tls, max_datagram_size),
-                session_config=client_session_config(url),
-                webtransport=(url.authority, url.path or "/") if url.webtransport else None,
-            )
-            parent = MoqtClient(driver, pump, ClientApp(), upstream)
-            driver.wake()
-            await parent.wait_ready(timeout)
-        yield RelayServer(driver, driver.udp.address, parent)
+    return relay_server(open_endpoint, _resolve, listen, **options)
 
 
-@contextlib.asynccontextmanager
-async def connect(
-    url: str,
-    *,
-    tls: TlsConfig | None = None,
-    stack: str = "aioquic",
-    timeout: float = 10.0,
-    max_datagram_size: int | None = None,
-    via: MoqtClient | None = None,
-) -> AsyncIterator[MoqtClient]:
-    """A MOQT session with the server at ``moqt://host:port[/path]``.
+def connect(url: str, **options: Any) -> AbstractAsyncContextManager[MoqtClient]:
+    """A MOQT session with the server at ``moqt://host:port[/path]`` (native QUIC) or
+    ``https://host:port/path`` (WebTransport), as an async context manager.
 
-    ``via``: open the session on the UDP socket (and event-loop driver) of another
-    client, e.g. a second relay for one retrieval (``retrieve_cache(..., also=...)``);
-    both must reach their servers from the same local address.
+    Options: ``tls`` (trust; default: the system's), ``stack``, ``timeout`` (for the
+    handshake and SETUP), ``max_datagram_size``, ``via`` (open the session on the
+    UDP socket and driver of another client, e.g. a second relay for one retrieval:
+    ``retrieve_cache(..., also=...)``; both must reach their servers from the same
+    local address).
     """
-    target = parse_url(url)
-    addr = await _resolve(target.host, target.port)
-    if via is not None:
-        client = open_session(via.driver, via.app, target, url, addr, tls, max_datagram_size)
-        try:
-            await client.wait_ready(timeout)
-            yield client
-        finally:
-            await client.close()
-        return
-    app = ClientApp()
-    endpoint = client_endpoint(stack=stack, app=app)
-    bind = "127.0.0.1" if is_loopback(addr[0]) else ("::" if ":" in addr[0] else "0.0.0.0")
-    async with open_endpoint(endpoint, bind, 0) as driver:
-        client = open_session(driver, app, target, url, addr, tls, max_datagram_size)
-        try:
-            await client.wait_ready(timeout)
-            yield client
-        finally:
-            await client.close()
+    return client_session(open_endpoint, _resolve, url, **options)
 
 
 async def _resolve(host: str, port: int) -> Any:
