@@ -12,7 +12,9 @@ order (d21 sections 3, 5.1.2, 11):
   0,0}) has neither gap nor overlap (wire reference section 6). From then on the
   store's listener offers each new object; objects that pass Forward, the
   window and the range filters (d21 3.3.3) go onto one subgroup stream per
-  (group, subgroup) (d21 11.3), opened on first use, FIN'd after an End of Group
+  (group, subgroup) (d21 11.3), opened by the first pull that writes to it (its
+  SUBGROUP_HEADER travels in that ``WriteStream(opens=True)``, so a producer far
+  ahead of its link does not hold a stream open per queued group), FIN'd after an End of Group
   or End of Track object or when a later group starts (the original publisher
   produces groups in order), or onto datagrams for Datagram-preference objects.
 * **Fills** (d21 section 3.4). A fill is a fetch-format stream named by the
