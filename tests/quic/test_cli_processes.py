@@ -314,6 +314,7 @@ def test_consumer_recovers_through_second_relay_when_its_relay_is_killed(procs: 
         ("relay", "--listen", "not-a-port:x", "--self-signed"),
         ("fetch", "http://127.0.0.1:1", "-k", "--scope-key", SCOPE_HEX, "--tokens", "32"),
         ("publish", "moqt://127.0.0.1:1", "--scope-key", "abcd"),
+        ("fetch", "moqt://[::1", "-k", "--scope-key", SCOPE_HEX),  # unclosed IPv6 bracket
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: tuple[str, ...]) -> None:
@@ -376,6 +377,17 @@ def test_missing_cache_file_exits_5(command: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 5, (r.returncode, r.stderr)
     assert "absent.npz" in one_error_line(r.stderr)
+
+
+def test_unwritable_certificate_directory_exits_5(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = kvcs(
+        "relay", "--listen", "127.0.0.1:0", "--self-signed", "--cert-dir", str(blocker / "x"),
+        "--run-for", "1", timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 5, (r.returncode, r.stderr)
+    assert "certificate" in one_error_line(r.stderr)
 
 
 # --- the documented command lines -----------------------------------------------------------

@@ -104,7 +104,12 @@ def relay_tls(args: argparse.Namespace) -> TlsConfig:
         if args.cert or args.key:
             raise CliError("give --self-signed or --cert/--key, not both", Exit.USAGE)
         directory = args.cert_dir or Path(tempfile.mkdtemp(prefix="kvcs-relay-"))
-        return self_signed(directory)
+        try:
+            return self_signed(directory)
+        except OSError as exc:
+            raise CliError(
+                f"cannot write the certificate into {directory}: {exc.strerror or exc}", Exit.FILE
+            ) from None
     if not args.cert:
         raise CliError("a relay needs --cert and --key, or --self-signed", Exit.USAGE)
     return TlsConfig(certfile=str(args.cert), keyfile=str(args.key or args.cert))

@@ -50,7 +50,10 @@ class MoqtUrl:
 def parse_url(url: str) -> MoqtUrl:
     """Parse ``moqt://host[:port][/path][?query]`` (native QUIC) or ``https://...``
     (WebTransport, wire reference 3.1); raise :class:`UrlError` otherwise."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed [IPv6] bracket
+        raise UrlError(f"not a URL: {url!r} ({exc})") from None
     if parts.scheme not in ("moqt", "https"):
         raise UrlError(f"not a moqt:// (or https:// for WebTransport) URL: {url!r}")
     try:
