@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from adapters.numpy_kv import engine_dtype
+from adapters.numpy_kv import KvDestination, engine_dtype
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 
 _SAFETENSORS_DTYPE = {
@@ -81,6 +81,18 @@ class CacheFile:
             raise CacheFileError(f"{len(self.tokens)} tokens hold no full block")
         if any(not 0 <= t < 1 << 32 for t in self.tokens):
             raise CacheFileError("token IDs must be u32")
+
+
+def same_bits(source: CacheFile, dest: KvDestination, tokens: int) -> bool:
+    """Whether ``dest`` holds exactly ``source``'s K and V bits for the first ``tokens``."""
+    for layer in range(source.cd.layers):
+        k, v = dest.as_engine_arrays(layer)
+        if not (
+            np.array_equal(k[:, :tokens], source.k[layer, :, :tokens])
+            and np.array_equal(v[:, :tokens], source.v[layer, :, :tokens])
+        ):
+            return False
+    return True
 
 
 def load(path: str | Path) -> CacheFile:
@@ -251,15 +263,15 @@ def llama_descriptor(
     model: str = "kvcs/synthetic-llama@1",
 ) -> dict[str, Any]:
     """A KVSP descriptor shaped like Llama-3-8B's KV cache (32 layers, 8 KV heads, 128)."""
-    return {
-        "kvsp": 0,
-        "model": model,
-        "layers": layers,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "dtype": dtype,
-        "block_tokens": block_tokens,
-    }
+    cd = CompatibilityDescriptor.create(
+        model=model,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        block_tokens=block_tokens,
+    )
+    return dict(cd.to_json())
 
 
 def synthetic(descriptor: Mapping[str, Any], tokens: int, seed: int = 1) -> CacheFile:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives import serialization
 
-from adapters.cachefile import CacheFile, CacheFileError, save
+from adapters.cachefile import CacheFile, CacheFileError, same_bits, save
 from adapters.numpy_kv import KvDestination, layer_sections
 from kvcs_core.kvcs.consumer import ConsumerConfig, RetrievalComplete
 from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
@@ -202,13 +202,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         except ValueError:
             raise CliError("--publication-id: not hex", Exit.USAGE) from None
     cd = cache.cd
-    async with b.connect(
-        args.url,
-        tls=client_tls(args),
-        stack=args.stack,
-        timeout=args.timeout,
-        max_datagram_size=args.datagram_size,
-    ) as client:
+    async with _connect(b, args) as client:
         pub = await client.publish_cache(
             cache.descriptor,
             key,
@@ -256,6 +250,17 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
+    """The session with ``args.url`` that every client command opens."""
+    return b.connect(
+        args.url,
+        tls=client_tls(args),
+        stack=args.stack,
+        timeout=args.timeout,
+        max_datagram_size=args.datagram_size,
+    )
+
+
 def report(args: argparse.Namespace, **fields: Any) -> None:
     if args.json:
         json_line(**fields)
@@ -290,15 +295,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
         raise CliError("the prompt has no full block", Exit.USAGE)
     dest = KvDestination(cd, usable)
     async with contextlib.AsyncExitStack() as stack:
-        client = await stack.enter_async_context(
-            b.connect(
-                args.url,
-                tls=client_tls(args),
-                stack=args.stack,
-                timeout=args.timeout,
-                max_datagram_size=args.datagram_size,
-            )
-        )
+        client = await stack.enter_async_context(_connect(b, args))
         others = [
             await stack.enter_async_context(
                 b.connect(url, tls=client_tls(args), timeout=args.timeout, via=client)
@@ -359,7 +356,7 @@ def finish_fetch(
     complete = bool(result and result.complete and blocks > 0)
     identical: bool | None = None
     if complete and args.verify:
-        identical = verify_against(source, dest, tokens)
+        identical = same_bits(source, dest, tokens)
     if complete and args.out is not None:
         k = np.stack([dest.as_engine_arrays(layer)[0][:, :tokens] for layer in range(cd.layers)])
         v = np.stack([dest.as_engine_arrays(layer)[1][:, :tokens] for layer in range(cd.layers)])
@@ -394,17 +391,6 @@ def finish_fetch(
     return Exit.OK
 
 
-def verify_against(source: CacheFile, dest: KvDestination, tokens: int) -> bool:
-    for layer in range(source.cd.layers):
-        k, v = dest.as_engine_arrays(layer)
-        if not (
-            np.array_equal(k[:, :tokens], source.k[layer, :, :tokens])
-            and np.array_equal(v[:, :tokens], source.v[layer, :, :tokens])
-        ):
-            return False
-    return True
-
-
 def fail_line(message: str, status: int) -> int:
     print(f"kvcs: error: {message}", file=sys.stderr)
     return status
@@ -415,13 +401,7 @@ def fail_line(message: str, status: int) -> int:
 
 async def ls(b: ModuleType, args: argparse.Namespace) -> int:
     prefix = parse_namespace(args.prefix)
-    async with b.connect(
-        args.url,
-        tls=client_tls(args),
-        stack=args.stack,
-        timeout=args.timeout,
-        max_datagram_size=args.datagram_size,
-    ) as client:
+    async with _connect(b, args) as client:
         found = await client.discover(prefix, quiet=args.quiet, timeout=args.timeout)
     for ns in found:
         describe(args, ns)

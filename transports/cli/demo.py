@@ -37,9 +37,8 @@ from types import ModuleType
 from typing import Any
 
 import attrs
-import numpy as np
 
-from adapters.cachefile import CacheFile, llama_descriptor, synthetic
+from adapters.cachefile import CacheFile, llama_descriptor, same_bits, synthetic
 from adapters.numpy_kv import KvDestination, layer_sections
 from kvcs_core.kvcs.consumer import ManifestAccepted, PublicationSelected
 from transports.quic.api import CacheRetrieval, MoqtClient
@@ -296,19 +295,11 @@ async def retrieve(
     c.ended = time.monotonic()
     c.complete = result.complete
     c.blocks = result.blocks
-    c.identical = c.complete and c.blocks == c.expect_blocks and identical(source, c.dest, c.blocks)
-
-
-def identical(source: CacheFile, dest: KvDestination, blocks: int) -> bool:
-    t = blocks * source.cd.block_tokens
-    for layer in range(source.cd.layers):
-        k, v = dest.as_engine_arrays(layer)
-        if not (
-            np.array_equal(k[:, :t], source.k[layer, :, :t])
-            and np.array_equal(v[:, :t], source.v[layer, :, :t])
-        ):
-            return False
-    return True
+    c.identical = (
+        c.complete
+        and c.blocks == c.expect_blocks
+        and same_bits(source, c.dest, c.blocks * source.cd.block_tokens)
+    )
 
 
 def report(

@@ -43,7 +43,16 @@ async def relay_server(
     timeout: float = 10.0,
     webtransport: bool = True,
 ) -> AsyncIterator[RelayServer]:
-    """See the bindings' ``serve_relay``."""
+    """A caching relay on ``listen`` (``host:port``), as an async context manager
+    (``serve_relay`` of a binding).
+
+    Options: ``tls`` (required: a :class:`~.tls.TlsConfig` with a certificate),
+    ``stack`` (``"aioquic"`` or ``"qh3"``), ``relay_config``, ``upstream`` (a parent
+    relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
+    ``max_connections``, ``timeout`` (for the upstream session), ``webtransport``
+    (default true: clients also reach it over WebTransport, ``https://host:port/...``,
+    on the same UDP port).
+    """
     host, port = parse_hostport(listen)
     endpoint = relay_endpoint(
         tls=tls,
@@ -77,7 +86,16 @@ async def client_session(
     max_datagram_size: int | None = None,
     via: MoqtClient | None = None,
 ) -> AsyncIterator[MoqtClient]:
-    """See the bindings' ``connect``."""
+    """A MOQT session with the server at ``moqt://host:port[/path]`` (native QUIC) or
+    ``https://host:port/path`` (WebTransport), as an async context manager
+    (``connect`` of a binding).
+
+    Options: ``tls`` (trust; default: the system's), ``stack``, ``timeout`` (for the
+    handshake and SETUP), ``max_datagram_size``, ``via`` (open the session on the
+    UDP socket and driver of another client, e.g. a second relay for one retrieval:
+    ``retrieve_cache(..., also=...)``; both must reach their servers from the same
+    local address).
+    """
     target = parse_url(url)
     addr = await resolve(target.host, target.port)
     async with contextlib.AsyncExitStack() as stack_:

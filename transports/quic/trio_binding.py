@@ -146,28 +146,12 @@ async def open_endpoint(endpoint: QuicEndpoint, host: str, port: int) -> AsyncIt
 def serve_relay(
     listen: str = "127.0.0.1:4443", **options: Any
 ) -> AbstractAsyncContextManager[RelayServer]:
-    """A caching relay on ``listen`` (``host:port``), as an async context manager.
-
-    Options: ``tls`` (required: a :class:`~.tls.TlsConfig` with a certificate),
-    ``stack`` (``"aioquic"`` or ``"qh3"``), ``relay_config``, ``upstream`` (a parent
-    relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
-    ``max_connections``, ``timeout`` (for the upstream session), ``webtransport``
-    (default true: clients also reach it over WebTransport, ``https://host:port/...``,
-    on the same UDP port).
-    """
+    """A caching relay on ``listen`` on trio; options: :func:`._entry.relay_server`."""
     return relay_server(open_endpoint, _resolve, listen, **options)
 
 
 def connect(url: str, **options: Any) -> AbstractAsyncContextManager[MoqtClient]:
-    """A MOQT session with the server at ``moqt://host:port[/path]`` (native QUIC) or
-    ``https://host:port/path`` (WebTransport), as an async context manager.
-
-    Options: ``tls`` (trust; default: the system's), ``stack``, ``timeout`` (for the
-    handshake and SETUP), ``max_datagram_size``, ``via`` (open the session on the
-    UDP socket and driver of another client, e.g. a second relay for one retrieval:
-    ``retrieve_cache(..., also=...)``; both must reach their servers from the same
-    local address).
-    """
+    """A MOQT session with ``url`` on trio; options: :func:`._entry.client_session`."""
     return client_session(open_endpoint, _resolve, url, **options)
 
 
