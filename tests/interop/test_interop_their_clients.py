@@ -220,12 +220,18 @@ def test_moqrs_fetch_group(peers: Any, our_relay: Any) -> None:
     assert pub.wait_event("publish_namespace_ok", 10), summary(pub)
     sub = peers.run("sub", "aiomoqt_sub.py", "--url", url, *NS_TEXT, *SHAPE, "--timeout", "10")
     finish(sub)
-    f = peers.run(
-        "fetch", "moqrs_sub.py", "--url", url, *NS_TEXT, *SHAPE, "--fetch-group", "1",
-        "--timeout", "8",
-    )  # fmt: skip
-    rc = f.finish(20)
-    errors = [e.get("error", "") for e in f.events if e.get("event") == "error"]
+    for attempt in range(3):  # bounded: moq-rs may ask before it learned the broadcast
+        f = peers.run(
+            f"fetch{attempt}", "moqrs_sub.py", "--url", url, *NS_TEXT, *SHAPE,
+            "--fetch-group", "1", "--timeout", "8",
+        )  # fmt: skip
+        rc = f.finish(20)
+        errors = [e.get("error", "") for e in f.events if e.get("event") == "error"]
+        # "NotFound" from moq-rs: its subscribe went out before our NAMESPACE for the
+        # broadcast reached it (seen under load); anything else is the result
+        if not any(e.startswith("NotFound") for e in errors):
+            break
+        time.sleep(0.5)
     if rc != 0 and any("dropped" in e for e in errors):
         our_relay.check()
         pytest.xfail(
