@@ -1,55 +1,127 @@
 #!/usr/bin/env bash
 # The whole check, as CI runs it (.ci/run) and as the README tells you to run it:
 #   bash scripts/test.sh
-# 1. install the package and its test/fuzz/dev extras into the current python3;
-# 2. ruff; 3. mypy; 4. the whole pytest suite (hypothesis fuzz smoke included);
-# 5. a few seconds of atheris per fuzz harness (skipped, loudly, when atheris
-#    cannot be installed: the hypothesis smoke in step 4 still covers them).
+#
+# It tests what a new user gets: for every interpreter it makes a FRESH virtual
+# environment (deleted and made again on every run, so pip resolves the current
+# releases of every dependency, never what this machine happens to have) and
+# installs the package with its test/fuzz/dev extras into it. Then:
+#   1. ruff and mypy (strict on kvcs_core), once, on the first interpreter;
+#   2. the interop peers (scripts/install_peers.sh, never fails the build);
+#   3. the whole pytest suite on every interpreter;
+#   4. a few seconds of atheris per fuzz harness, on the first interpreter
+#      (skipped, loudly, when atheris cannot be installed: the hypothesis smoke
+#      in step 3 still runs every harness).
 # Exits non-zero on the first failing step.
+#
+# Interpreters: python3 and a second one (Python 3.13 or 3.12 from pyenv or PATH).
+# KVCS_TEST_PYTHONS="python3 /path/to/python3.13" chooses them explicitly. Without a
+# second interpreter the run goes on with one and says so, except in CI (CI=true),
+# where that is an error. The environments live in .venvs/ (git-ignored;
+# KVCS_TEST_VENVS=DIR puts them elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-export PIP_ROOT_USER_ACTION=ignore          # CI runs as root without a venv
+export PIP_ROOT_USER_ACTION=ignore
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-export PIP_BREAK_SYSTEM_PACKAGES=1          # Debian's python3 marks itself externally managed
 export PYTHONDONTWRITEBYTECODE=1
 FUZZ_SECONDS="${KVCS_FUZZ_SECONDS:-5}"
+VENVS="${KVCS_TEST_VENVS:-.venvs}"
 START=$SECONDS
 
 section() {
     printf '\n==== %s  [%ss]\n' "$*" "$((SECONDS - START))"
 }
 
-section "install: python3 -m pip install -e '.[test,fuzz,dev]'"
-python3 --version
-if ! python3 -m pip install -q -e '.[test,fuzz,dev]'; then
-    echo "!! install with the fuzz extra failed; retrying without atheris" >&2
-    python3 -m pip install -q -e '.[test,dev]'
-fi
-if python3 -c 'import atheris' 2>/dev/null; then
-    HAVE_ATHERIS=1
+minor_of() {  # "3.12" for an interpreter, empty when it does not run
+    "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
+}
+
+# The interpreters to test with.
+PYTHONS=()
+if [ -n "${KVCS_TEST_PYTHONS:-}" ]; then
+    read -r -a PYTHONS <<<"$KVCS_TEST_PYTHONS"
 else
-    HAVE_ATHERIS=0
+    PYTHONS=(python3)
+    first="$(minor_of python3)"
+    candidates=()
+    if command -v pyenv >/dev/null 2>&1; then
+        root="$(pyenv root 2>/dev/null || true)"
+        for v in 3.13 3.12; do
+            for p in "$root"/versions/"$v".*/bin/python3; do
+                [ -x "$p" ] && candidates+=("$p")
+            done
+        done
+    fi
+    for v in 3.13 3.12; do
+        command -v "python$v" >/dev/null 2>&1 && candidates+=("$(command -v "python$v")")
+    done
+    for p in "${candidates[@]}"; do
+        m="$(minor_of "$p")"
+        if [ -n "$m" ] && [ "$m" != "$first" ]; then
+            PYTHONS+=("$p")
+            break
+        fi
+    done
+fi
+if [ "${#PYTHONS[@]}" -lt 2 ]; then
+    if [ "${CI:-}" = true ]; then
+        echo "!! CI needs a second interpreter (Python 3.12 or 3.13); none was found" >&2
+        exit 1
+    fi
+    echo "!! no second interpreter (3.12/3.13) found: testing with ${PYTHONS[*]} only" >&2
 fi
 
-section "ruff check"
-python3 -m ruff check kvcs_core transports adapters tests fuzz benchmarks
+# Make a fresh environment for interpreter $1 and print its python's path.
+fresh_venv() {
+    local py="$1" dir
+    dir="$VENVS/py$(minor_of "$py")"
+    rm -rf "$dir"
+    mkdir -p "$VENVS"
+    "$py" -m venv "$dir" >&2
+    "$dir/bin/python" -m pip install -q --upgrade pip >&2
+    if ! "$dir/bin/python" -m pip install -q -e '.[test,fuzz,dev]' >&2; then
+        echo "!! install with the fuzz extra failed on $py; retrying without atheris" >&2
+        "$dir/bin/python" -m pip install -q -e '.[test,dev]' >&2
+    fi
+    echo "$dir/bin/python"
+}
 
-section "mypy (strict on kvcs_core)"
-python3 -m mypy kvcs_core transports adapters
+i=0
+FIRST_PY=""
+for py in "${PYTHONS[@]}"; do
+    i=$((i + 1))
+    section "[$py] fresh virtual environment in $VENVS, pip install -e '.[test,fuzz,dev]'"
+    PY="$(fresh_venv "$py")"
+    "$PY" --version
+    "$PY" -m pip list 2>/dev/null \
+        | grep -iE '^(trio|aioquic|qh3|cryptography|pycose|cbor2|attrs|numpy|atheris|pytest|hypothesis) ' \
+        | tr -s ' ' | paste -sd ',' - | sed 's/,/, /g'
+    # The environment's scripts first on PATH, as an activated venv would have them.
+    export PATH="$(dirname "$PY"):$PATH"
 
-section "interop peers: bash scripts/install_peers.sh (never fails the build)"
-bash scripts/install_peers.sh || echo "!! install_peers.sh failed: the interop tests will skip"
+    if [ "$i" = 1 ]; then
+        FIRST_PY="$PY"
+        section "ruff check"
+        "$PY" -m ruff check kvcs_core transports adapters tests fuzz benchmarks
 
-section "pytest (whole suite)"
-python3 -m pytest -q
+        section "mypy (strict on kvcs_core)"
+        "$PY" -m mypy kvcs_core transports adapters
+
+        section "interop peers: bash scripts/install_peers.sh (never fails the build)"
+        bash scripts/install_peers.sh || echo "!! install_peers.sh failed: the interop tests will skip"
+    fi
+
+    section "[$("$PY" --version)] pytest (whole suite)"
+    "$PY" -m pytest -q -p no:cacheprovider
+done
 
 section "fuzz: atheris, ${FUZZ_SECONDS}s per harness"
-if [ "$HAVE_ATHERIS" = 1 ]; then
-    python3 fuzz/run_all.py --seconds "$FUZZ_SECONDS"
+if "$FIRST_PY" -c 'import atheris' 2>/dev/null; then
+    "$FIRST_PY" fuzz/run_all.py --seconds "$FUZZ_SECONDS"
 else
     echo "!! atheris is not installed: atheris runs SKIPPED" \
-         "(tests/test_fuzz_smoke.py ran every harness under hypothesis above)"
+         "(the pytest runs above ran every harness's check under hypothesis)"
 fi
 
-section "all checks passed"
+section "all checks passed on: ${PYTHONS[*]}"
