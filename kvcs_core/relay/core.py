@@ -44,7 +44,7 @@ from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import MalformedTrack
 from kvcs_core.moqt.windows import FetchRange, fetch_range
-from kvcs_core.relay.cache import Cache, CacheEntry
+from kvcs_core.relay.cache import Cache, CacheEntry, Spans
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.routing import Router
 from kvcs_core.relay.tracks import (
@@ -214,6 +214,7 @@ class RelayCore:
 
     def _serve_pending(self, track: Track) -> None:
         """Answer the downstream SUBSCRIBEs waiting on ``track`` (module docstring)."""
+        self._end_idle(track)
         if not track.pending:
             return
         if track.malformed:
@@ -251,17 +252,34 @@ class RelayCore:
                 continue
             if not ready and sub.forward:
                 continue
-            groups = self._evicted_needed(entry, sub.params) if sub.forward else None
-            if groups is not None and self._refetch(track, groups):
-                continue  # the fill would cross evicted groups: get them back first
             track.pending.remove(sub)
             sub.peer.session.accept_subscribe(sub.request_id, entry.store, now=self._now)
             self._cache.touch(entry)
-            if active:
-                track.served[sub] = None
+            # the fill crosses evicted groups: FETCH them again; each restored object goes
+            # to the fill on a late fill stream as it arrives (A27, MoqtSession.restoring),
+            # so the cache never has to hold the whole range at once (cache docstring)
+            groups = self._evicted_needed(entry, sub.params) if sub.forward else None
+            refetching = groups is not None and self._refetch(track, groups)
+            if active or refetching:
+                track.served[sub] = None  # ended when the re-fetch is over (_end_idle)
             else:
                 status, reason = self._terminal(track)
                 self._end(sub, status, reason)
+
+    def _end_idle(self, track: Track) -> None:
+        """With no upstream feed left, subscriptions kept only for a re-fetch of evicted
+        groups end once no re-fetch is in flight (with the track's terminal status)."""
+        if (
+            not track.served
+            or track.malformed
+            or track.active
+            or any(f.purpose is FetchPurpose.REFETCH for f in track.fetches)
+        ):
+            return
+        status, reason = self._terminal(track)
+        for sub in list(track.served):
+            self._end(sub, status, reason)
+        track.served.clear()
 
     @staticmethod
     def _fill_range(
@@ -285,8 +303,8 @@ class RelayCore:
         rng = self._fill_range(entry, params, lf)
         if rng is None:
             return None
-        gs = [g for g in entry.evicted if rng.start.group <= g <= rng.end.group]
-        return range(min(gs), max(gs) + 1) if gs else None
+        span = entry.evicted.span_within(rng.start.group, rng.end.group)  # O(intervals)
+        return range(span[0], span[1] + 1) if span is not None else None
 
     def _refetch(self, track: Track, groups: range) -> bool:
         """FETCH evicted ``groups`` upstream (or join such a FETCH); False: no route."""
@@ -320,6 +338,8 @@ class RelayCore:
         )
         peer.feeds[rid] = feed
         track.fetches.append(feed)
+        if track.entry is not None:
+            self._cache.refetching(track.entry, groups)
         return True
 
     # --- the cache feed ------------------------------------------------------------------
@@ -327,12 +347,12 @@ class RelayCore:
     def _append(self, track: Track, entry: CacheEntry, e: ObjectReceived) -> None:
         """One upstream object into the cache (a duplicate is a no-op)."""
         try:
-            self._cache.append(entry, e)
+            obj = self._cache.append(entry, e)
         except (MalformedTrack, ValueError) as exc:
             self._malformed(track, str(exc))
             return
         if self._cache.total_bytes > self._cache.budget:
-            self._cache.evict(self._tier)
+            self._cache.evict(self._tier, keep=obj)
 
     def _restore(self, track: Track, entry: CacheEntry, e: ObjectReceived) -> None:
         """An object of an evicted group fetched again (a fill or a FETCH): the downstream
@@ -347,19 +367,27 @@ class RelayCore:
             for session in sessions.values():
                 session.restoring(None)
 
-    def _tier(self, entry: CacheEntry) -> tuple[int, int | None] | None:
-        """Eviction tier of a track (cache module docstring); None: not now."""
+    def _tier(self, entry: CacheEntry) -> tuple[int | None, int | None, Spans]:
+        """Eviction tier of a track, its protected group and the group spans its upstream
+        FETCHes bring for waiting requests (cache module docstring)."""
         track = self._tracks.get(entry.store.name)
         if track is None:
-            return 0, None
-        if track.fetches or any(
-            self._evicted_needed(entry, s.params) is not None for s in track.pending
-        ):
-            return None  # a request waits for this track's groups right now
+            return 0, None, ()
+        spans: list[tuple[int, int]] = []
+        for f in track.fetches:
+            if f.groups is not None:
+                spans.append((f.groups.start, f.groups.stop - 1))
+            elif f.span_from is not None:
+                end = f.end_location.group if f.end_location is not None else MAX_VI64
+                spans.append((f.span_from.group, end))
+            else:
+                spans.append((0, MAX_VI64))
+        if track.fetches:
+            return None, None, tuple(spans)  # a request waits for this track's groups
         if track.live:
             largest = entry.store.largest
-            return 2, largest.group if largest is not None else None
-        return (1 if track.served else 0), None
+            return 2, largest.group if largest is not None else None, ()
+        return (1 if track.served else 0), None, ()
 
     def _malformed(self, track: Track, reason: str) -> None:
         """d21 12.1 / wire reference 7.10: end everything downstream with MALFORMED_TRACK,

@@ -205,16 +205,18 @@ class Relay(Offers):
             self._advance(now)
         if type(event) is ev.ObjectReceived:  # the hot path: straight into the cache
             self._on_object(peer, event)
-            return True
-        handler = self._handlers.get(type(event))
-        if handler is not None:
-            handler(peer, event)
+        else:
+            handler = self._handlers.get(type(event))
+            if handler is not None:
+                handler(peer, event)
+        self._cache.settle(self._tier)  # the budget holds after every input (cache docstring)
         return True
 
     def handle_timer(self, now: float) -> None:
         """Fire due deadlines (PUBLISH_DONE grace, fill timeout); early calls do nothing."""
         self._advance(now)
         self._fire(now)
+        self._cache.settle(self._tier)
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` should next be called, or ``None``."""
@@ -420,7 +422,7 @@ class Relay(Offers):
         if track.active and not track.live:
             return False  # (re)subscribing: the cached Largest Object may be stale
         rng = fetch_range(lf, store.largest)
-        return rng is None or not any(rng.start.group <= g <= rng.end.group for g in entry.evicted)
+        return rng is None or entry.evicted.span_within(rng.start.group, rng.end.group) is None
 
     def _on_track_status(self, peer: Peer, e: ev.TrackStatusRequested) -> None:
         """TRACK_STATUS (d21 9.13, wire ref. 10): from a live cache, else asked upstream."""

@@ -466,12 +466,12 @@ class Upstream(RelayCore):
             return
         cache = self._cache
         try:
-            cache.append(entry, e)
+            obj = cache.append(entry, e)
         except (MalformedTrack, ValueError) as exc:
             self._malformed(track, str(exc))
             return
         if cache.total_bytes > cache.budget:
-            cache.evict(self._tier)
+            cache.evict(self._tier, keep=obj)
 
     def _on_stream_ended(self, peer: Peer, e: ev.DataStreamEnded) -> None:
         feed = peer.feeds.get(e.request_id)
@@ -565,10 +565,7 @@ class Upstream(RelayCore):
         ):
             return  # another route: the downstream subscriptions stay up
         track.terminal = (status, reason)
-        for sub in list(track.served):
-            self._end(sub, status, reason)
-        track.served.clear()
-        self._serve_pending(track)
+        self._serve_pending(track)  # ends track.served, once no re-fetch is in flight
 
     def _on_request_failed(self, peer: Peer, e: ev.RequestFailed) -> None:
         if e.update_id is not None:
