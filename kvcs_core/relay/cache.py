@@ -322,6 +322,9 @@ class Cache:
         """Accounted bytes evicted so far."""
         self.not_kept = 0
         """Objects forwarded but not kept (evicted in the step they arrived)."""
+        self.emptied: list[FullTrackName] = []
+        """Tracks whose last group was evicted since the owner last looked (it may forget
+        them)."""
 
     # --- getters -------------------------------------------------------------------
 
@@ -514,6 +517,8 @@ class Cache:
         objs = _group_objects(store, gid)
         store.evict_group(gid)
         gcost = entry.groups.pop(gid, 0)
+        if not entry.groups:
+            self.emptied.append(store.name)
         entry.cost -= gcost
         self.total_bytes -= gcost
         self.evicted_bytes += gcost

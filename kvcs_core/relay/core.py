@@ -60,6 +60,9 @@ from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import MAX_VI64, PublishDoneCode, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 
+_RECLAIM_SCAN = 64
+"""Tracks :meth:`RelayCore._reclaim` looks at, at most, per new track at ``max_tracks``."""
+
 
 def next_after(loc: Location) -> Location:
     """The Location right after ``loc`` in the same group (or the next group's first)."""
@@ -85,6 +88,7 @@ class RelayCore:
         self._router = Router()
         self._peers: dict[MoqtSession, Peer] = {}
         self._tracks: dict[FullTrackName, Track] = {}
+        self.refused_for_rate = 0
         self._timed: dict[Feed | Track, None] = {}
         """Feeds waiting after PUBLISH_DONE, tracks waiting for their fill: the timers."""
         self._now = 0.0
@@ -137,22 +141,43 @@ class RelayCore:
         return track
 
     def _reclaim(self) -> bool:
-        """Forget the least recently used idle track (no request in flight, nothing
-        served from it), its cache included, to make room for a new one."""
-        victim: Track | None = None
-        for t in self._tracks.values():
-            if t.feeds or t.fetches or t.pending or t.served:
+        """Forget an idle track (no request in flight, nothing served from it), its cache
+        included, to make room for a new one. Looks at most ``_RECLAIM_SCAN`` tracks, the
+        oldest first; busy ones move to the back, so the work per call is bounded whatever
+        the number of tracks (approximately least recently added first)."""
+        tracks = self._tracks
+        for _ in range(min(_RECLAIM_SCAN, len(tracks))):
+            name, t = next(iter(tracks.items()))
+            if t.feeds or t.fetches or t.pending or t.served or t in self._timed:
+                del tracks[name]
+                tracks[name] = t  # busy: to the back
                 continue
-            if victim is None or (t.entry.last_used if t.entry else -1) < (
-                victim.entry.last_used if victim.entry else -1
-            ):
-                victim = t
-        if victim is None:
-            return False
-        self._cache.drop(victim.name)
-        del self._tracks[victim.name]
-        self._timed.pop(victim, None)
-        return True
+            self._cache.drop(name)
+            del tracks[name]
+            return True
+        return False
+
+    def _forget_idle(self, track: Track) -> None:
+        """Forget a track nobody needs (finding 8: phantom tracks): no feed, no upstream
+        FETCH, no downstream request, no timer, and nothing cached. A track that was only
+        asked about (no publisher) thus leaves no record behind."""
+        if (
+            track.feeds
+            or track.fetches
+            or track.pending
+            or track.served
+            or track in self._timed
+            or track.early
+        ):
+            return
+        entry = track.entry
+        if entry is not None and entry.groups:
+            return  # cached data: kept until evicted (then forgotten here)
+        if self._tracks.get(track.name) is track:
+            del self._tracks[track.name]
+            if entry is not None:
+                self._cache.drop(track.name)
+                track.entry = None
 
     def _want_forward(self, track: Track) -> bool:
         """The Forward State the track's upstream subscriptions should have: 1 when a
@@ -187,11 +212,35 @@ class RelayCore:
 
     # --- answering downstream --------------------------------------------------------------
 
-    def _reject(self, peer: Peer, request_id: int, code: int, reason: str) -> None:
+    def _reject(
+        self, peer: Peer, request_id: int, code: int, reason: str, retry_ms: int | None = None
+    ) -> None:
         if self._pending(peer, request_id):
             peer.session.reject_request(
-                request_id, as_request_error(code), reason[:1024], now=self._now
+                request_id,
+                as_request_error(code),
+                reason[:1024],
+                now=self._now,
+                retry_interval_ms=retry_ms,
             )
+
+    def _over_rate(self, peer: Peer, request_id: int) -> bool:
+        """Take one token of the peer's request bucket (``RelayConfig.request_rate``);
+        without one, refuse the request with EXCESSIVE_LOAD and a Retry Interval."""
+        rate = self.config.request_rate
+        if rate <= 0:
+            return False
+        burst = float(self.config.request_burst)
+        tokens = min(burst, peer.tokens + (self._now - peer.tokens_at) * rate)
+        peer.tokens_at = self._now
+        if tokens >= 1.0:
+            peer.tokens = tokens - 1.0
+            return False
+        peer.tokens = tokens
+        self.refused_for_rate += 1
+        retry = max(1, int((1.0 - tokens) / rate * 1000.0) + 1)
+        self._reject(peer, request_id, RequestErrorCode.EXCESSIVE_LOAD, "request rate", retry)
+        return True
 
     def _end(self, sub: DownstreamSubscription, status: int, reason: str) -> None:
         """PUBLISH_DONE for a downstream subscription once its queues drained (the session
@@ -213,7 +262,12 @@ class RelayCore:
         """Hook: an upstream subscription or PUBLISH of ``track`` was established."""
 
     def _serve_pending(self, track: Track) -> None:
-        """Answer the downstream SUBSCRIBEs waiting on ``track`` (module docstring)."""
+        """Answer the downstream SUBSCRIBEs waiting on ``track`` (module docstring); a
+        track left with nothing to do is forgotten."""
+        self._serve_pending_now(track)
+        self._forget_idle(track)
+
+    def _serve_pending_now(self, track: Track) -> None:
         self._end_idle(track)
         if not track.pending:
             return

@@ -111,6 +111,20 @@ from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 __all__ = ["Relay"]
 
 
+_NEW_REQUESTS: frozenset[type] = frozenset(
+    {
+        ev.SubscribeRequested,
+        ev.FetchRequested,
+        ev.TrackStatusRequested,
+        ev.PublishNamespaceRequested,
+        ev.SubscribeNamespaceRequested,
+        ev.SubscribeTracksRequested,
+        ev.PublishRequested,
+    }
+)
+"""Events that open a new peer request: each takes a token (``RelayConfig.request_rate``)."""
+
+
 def _fixed_start(lf: p.LocationFilter | None) -> Location | None:
     """Where a FETCH of ``lf`` starts, when that does not depend on Largest Object."""
     if lf is None or lf.filter_type == LocationFilterType.NONE:
@@ -205,18 +219,35 @@ class Relay(Offers):
             self._advance(now)
         if type(event) is ev.ObjectReceived:  # the hot path: straight into the cache
             self._on_object(peer, event)
+        elif type(event) in _NEW_REQUESTS and self._over_rate(
+            peer,
+            getattr(event, "request_id"),  # noqa: B009 - every request event has one
+        ):
+            pass  # refused: EXCESSIVE_LOAD with a Retry Interval (RelayConfig.request_rate)
         else:
             handler = self._handlers.get(type(event))
             if handler is not None:
                 handler(peer, event)
-        self._cache.settle(self._tier)  # the budget holds after every input (cache docstring)
+        self._settle()
         return True
 
     def handle_timer(self, now: float) -> None:
         """Fire due deadlines (PUBLISH_DONE grace, fill timeout); early calls do nothing."""
         self._advance(now)
         self._fire(now)
-        self._cache.settle(self._tier)
+        self._settle()
+
+    def _settle(self) -> None:
+        """After every input: the cache within its budget (cache docstring), and tracks
+        whose cache emptied forgotten if nothing else needs them."""
+        cache = self._cache
+        cache.settle(self._tier)
+        if cache.emptied:
+            names, cache.emptied = cache.emptied, []
+            for name in names:
+                track = self._tracks.get(name)
+                if track is not None:
+                    self._forget_idle(track)
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` should next be called, or ``None``."""
@@ -290,6 +321,7 @@ class Relay(Offers):
             tracks=len(self._tracks),
             sessions=len(self._peers),
             downstream_subscriptions=sum(len(t.served) for t in self._tracks.values()),
+            refused_for_rate=self.refused_for_rate,
         )
 
     # ------------------------------------------------------------------ downstream requests
@@ -386,6 +418,7 @@ class Relay(Offers):
                 self._reject(
                     peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no publisher for track"
                 )
+            self._forget_idle(track)
             return
         peer.fetches[e.request_id] = fetch
         key = (lf,)
@@ -445,6 +478,8 @@ class Relay(Offers):
             peer.session.accept_track_status(e.request_id, entry.store, now=self._now)
         else:
             self._reject(peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no such track")
+        if track is not None:
+            self._forget_idle(track)
 
     def _on_publish_namespace(self, peer: Peer, e: ev.PublishNamespaceRequested) -> None:
         """d21 7.5 / wire ref. 10: accept, record the source, tell the namespace
@@ -500,6 +535,7 @@ class Relay(Offers):
                 track.pending.remove(sub)
             track.served.pop(sub, None)
             self._sync_forward(track)
+            self._forget_idle(track)
             return
         fetch = peer.fetches.pop(rid, None)
         if fetch is not None:
@@ -572,6 +608,7 @@ class Relay(Offers):
                 self._finalize(feed, lost=True)
         for track in affected:
             self._sync_forward(track)
+            self._forget_idle(track)
         for query in peer.statuses.values():
             entry = query.track.entry
             for down, rid in query.waiters:

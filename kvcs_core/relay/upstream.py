@@ -664,6 +664,7 @@ class Upstream(RelayCore):
             if entry is not None and feed.groups is not None:
                 self._cache.unevict(entry, feed.groups)
             self._serve_pending(track)
+        self._forget_idle(track)
 
     def _fetched_to_end(self, feed: Feed) -> None:
         """A FETCH answered with End Of Track delivered its range: from {0,0} and with no
