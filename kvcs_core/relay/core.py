@@ -89,6 +89,10 @@ class RelayCore:
         self._peers: dict[MoqtSession, Peer] = {}
         self._tracks: dict[FullTrackName, Track] = {}
         self.refused_for_rate = 0
+        self._rendezvous: dict[DownstreamSubscription, float] = {}
+        """SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT): their deadlines."""
+        self._rendezvous_heap: list[tuple[float, int, DownstreamSubscription]] = []
+        self._rendezvous_seq = 0
         self._timed: dict[Feed | Track, None] = {}
         """Feeds waiting after PUBLISH_DONE, tracks waiting for their fill: the timers."""
         self._now = 0.0
@@ -294,10 +298,14 @@ class RelayCore:
                 RequestErrorCode.DOES_NOT_EXIST,
                 "no publisher for this track",
             )
+            held: list[DownstreamSubscription] = []
             for sub in track.pending:
+                if code == RequestErrorCode.DOES_NOT_EXIST and sub in self._rendezvous:
+                    held.append(sub)  # RENDEZVOUS_TIMEOUT: wait for a publisher (5.7)
+                    continue
                 sub.peer.subscriptions.pop(sub.request_id, None)
                 self._reject(sub.peer, sub.request_id, code, reason)
-            track.pending.clear()
+            track.pending[:] = held
             return
         for sub in list(track.pending):
             if not self._pending(sub.peer, sub.request_id, RequestKind.SUBSCRIBE):

@@ -66,10 +66,24 @@ answer, else asked upstream first (:mod:`~kvcs_core.relay.upstream`).
 the peer, now and later, or named in PUBLISH_SKIPPED
 (:mod:`~kvcs_core.relay.offers`).
 
+**RENDEZVOUS_TIMEOUT** (wire reference 5.7): a SUBSCRIBE for a track with no
+publisher (no route, or every route answered DOES_NOT_EXIST) and nothing
+cached, carrying a non-zero RENDEZVOUS_TIMEOUT, is held unanswered until a
+publisher appears (a PUBLISH_NAMESPACE covering it, a PUBLISH of the track, a
+new upstream session: it is then served as any SUBSCRIBE) or the timeout
+(capped at ``RelayConfig.rendezvous_cap``) passes: REQUEST_ERROR TIMEOUT.
+Without it, DOES_NOT_EXIST at once. At most ``RelayConfig.max_rendezvous``
+are held. A held SUBSCRIBE wins over PUBLISHing the track to the same peer
+(it gets PUBLISH_SKIPPED on its SUBSCRIBE_TRACKS).
+
+**Limits** (:mod:`~kvcs_core.relay.config`): per-session request rate
+(EXCESSIVE_LOAD with a Retry Interval), tracks, the cache budget (which
+holds after every input, :mod:`~kvcs_core.relay.cache`). A track nobody needs
+any more (no publisher, nothing cached, no request) is forgotten.
+
 **Not supported**: authorization (every request is allowed; filter events
 before handing them to the relay); MAX_CACHE_DURATION (objects are kept until
-evicted); RENDEZVOUS_TIMEOUT (a SUBSCRIBE with no publisher is answered at
-once, as with 0).
+evicted).
 
 Chaining: a relay's upstream session can be a downstream session of another
 relay (trees); a parent relay is a default route for tracks no PUBLISH_NAMESPACE
@@ -79,6 +93,7 @@ covers.
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -347,12 +362,62 @@ class Relay(Offers):
         track.pending.append(sub)
         if not track.active and not track.complete:
             self._subscribe_upstream(track, exclude=peer)
+            if track.entry is None:  # nothing known of it: may be held for a publisher
+                self._hold(sub, e.params.get(p.RendezvousTimeout))
         else:
             self._sync_forward(track)
             ngr = e.params.get(p.NewGroupRequest)
             if ngr is not None:
                 self._new_group_request(track, ngr.value)
         self._serve_pending(track)
+
+    # ------------------------------------------------------------------ rendezvous
+
+    def _hold(self, sub: DownstreamSubscription, timeout: p.RendezvousTimeout | None) -> None:
+        """RENDEZVOUS_TIMEOUT (wire reference 5.7, d21 9.20.7): a SUBSCRIBE for a track with
+        no publisher is held, unanswered, until one appears (it is then served as usual:
+        a PUBLISH_NAMESPACE covering it, a PUBLISH of it, or a new upstream session) or
+        the timeout passes (REQUEST_ERROR TIMEOUT). 0 or absent: answered at once. The
+        timeout is capped at ``RelayConfig.rendezvous_cap`` and at most
+        ``RelayConfig.max_rendezvous`` SUBSCRIBEs are held (beyond: answered at once)."""
+        if timeout is None or timeout.ms <= 0:
+            return
+        held = self._rendezvous
+        if len(held) >= self.config.max_rendezvous:
+            for old in [s for s in held if s not in s.track.pending]:
+                del held[old]  # answered meanwhile
+            if len(held) >= self.config.max_rendezvous:
+                return
+        at = self._now + min(timeout.ms / 1000.0, self.config.rendezvous_cap)
+        held[sub] = at
+        self._rendezvous_seq += 1
+        heapq.heappush(self._rendezvous_heap, (at, self._rendezvous_seq, sub))
+
+    def _fire(self, now: float) -> None:
+        super()._fire(now)
+        heap, held = self._rendezvous_heap, self._rendezvous
+        while heap and heap[0][0] <= now:
+            at, _seq, sub = heapq.heappop(heap)
+            if held.get(sub) != at:
+                continue  # answered (or re-held) meanwhile
+            del held[sub]
+            track = sub.track
+            if sub in track.pending:
+                track.pending.remove(sub)
+                sub.peer.subscriptions.pop(sub.request_id, None)
+                self._reject(
+                    sub.peer, sub.request_id, RequestErrorCode.TIMEOUT, "no publisher appeared"
+                )
+                self._forget_idle(track)
+
+    def _deadline(self) -> float | None:
+        best = super()._deadline()
+        heap, held = self._rendezvous_heap, self._rendezvous
+        while heap and held.get(heap[0][2]) != heap[0][0]:
+            heapq.heappop(heap)  # stale entries (amortised O(log n) each)
+        if heap and (best is None or heap[0][0] < best):
+            best = heap[0][0]
+        return best
 
     def _on_request_updated(self, peer: Peer, e: ev.RequestUpdated) -> None:
         """A downstream REQUEST_UPDATE its session already answered from the cache (FORWARD,
@@ -530,6 +595,7 @@ class Relay(Offers):
         rid = e.request_id
         sub = peer.subscriptions.pop(rid, None)
         if sub is not None:
+            self._rendezvous.pop(sub, None)
             track = sub.track
             if sub in track.pending:
                 track.pending.remove(sub)
@@ -564,6 +630,9 @@ class Relay(Offers):
                 if sub.session is not peer.session:
                     self._ensure_upstream_namespace(peer, sub.prefix)
             self._tracks_on_setup(peer)
+            for track in {s.track: None for s in self._rendezvous}:
+                if track.pending and not track.active:  # a new route for a held SUBSCRIBE
+                    self._subscribe_upstream(track, None)
 
     def _on_goaway(self, peer: Peer, e: ev.GoawayReceived) -> None:
         if e.request_id is None:
@@ -577,6 +646,7 @@ class Relay(Offers):
         del self._peers[session]
         affected: dict[Track, None] = {}
         for sub in peer.subscriptions.values():
+            self._rendezvous.pop(sub, None)
             track = sub.track
             if sub in track.pending:
                 track.pending.remove(sub)
