@@ -832,6 +832,13 @@ class Publisher:
         if sender.finished:
             return  # a subgroup abandoned after a delivery timeout
         queue = sender.queue
+        if not obj.datagram:
+            floor = queue[-1].location.object + 1 if queue else sender.next_oid
+            if loc.object < floor:
+                # Object IDs ascend on a subgroup stream (d21 11.3.1): one that reached the
+                # store after a later one of its subgroup (two publishers of a track, a
+                # relay's out-of-order upstream) cannot go on it; it is not sent live
+                return
         was_idle = not queue and not sender.partial
         queue.append(obj)
         sender.enqueued.append(self.now)

@@ -26,8 +26,10 @@ served downstream by the sessions with ``accept_subscribe`` / ``accept_fetch``
   *accounted* bytes). An object costs its payload (the whole buffer its view
   pins, when that is larger than the view), its Object Properties
   (:data:`PROPERTY_OVERHEAD` + value bytes each) and :data:`OBJECT_OVERHEAD`;
-  a group adds :data:`GROUP_OVERHEAD`, a cached track :data:`TRACK_OVERHEAD`
-  plus its name and Track Properties. A duplicate whose (mutable) properties
+  a group adds :data:`GROUP_OVERHEAD`, a cached track its Track Properties,
+  and every track record the relay keeps :data:`TRACK_OVERHEAD` plus its name
+  (:meth:`Cache.reserve`: a new track that cannot get room, even after
+  eviction, is refused). A duplicate whose (mutable) properties
   replace the stored ones is charged the difference.
 * **The budget holds after every input.** Whenever an append (or a new entry)
   takes the accounted bytes above the budget, whole groups are evicted at once
@@ -133,14 +135,15 @@ def object_cost(obj: StoredObject) -> int:
 
 
 def entry_cost(store: TrackStore) -> int:
-    """Accounted bytes of a track's entry itself (no objects)."""
-    name = store.name
-    return (
-        TRACK_OVERHEAD
-        + len(name.name)
-        + sum(len(f) + 32 for f in name.namespace.fields)
-        + _kvps_cost(store.track_properties)
-    )
+    """Accounted bytes of a track's entry itself, no objects: its Track Properties (the
+    track record is charged by :meth:`Cache.reserve`)."""
+    return _kvps_cost(store.track_properties)
+
+
+def track_cost(name: FullTrackName) -> int:
+    """Accounted bytes of a track record the relay keeps: :data:`TRACK_OVERHEAD` plus
+    its name."""
+    return TRACK_OVERHEAD + len(name.name) + sum(len(f) + 32 for f in name.namespace.fields)
 
 
 class GroupSet:
@@ -312,6 +315,8 @@ class Cache:
         self._buffers: dict[int, list[int]] = {}
         """Payload buffers held: key -> [objects holding it, its bytes] (each counted once)."""
         self.buffer_bytes = 0
+        self.reserved_bytes = 0
+        """Accounted bytes of track records (:meth:`reserve`), included in the total."""
         """Accounted bytes of payload buffers (included in :attr:`total_bytes`)."""
         self.peak_bytes = 0
         """The most ``total_bytes`` ever was after an input."""
@@ -457,6 +462,24 @@ class Cache:
             entry.evicted.discard_range(a, b)
         if not entry.refetching:
             entry.reevicted = GroupSet()
+
+    def reserve(self, nbytes: int, tier_of: TierFn) -> bool:
+        """Charge ``nbytes`` held outside the stores (a track record), evicting groups to
+        make room; ``False`` (nothing charged) when even that leaves no room."""
+        if self.total_bytes + nbytes > self.budget:
+            self.total_bytes += nbytes
+            self.evict(tier_of)
+            self.total_bytes -= nbytes
+            if self.total_bytes + nbytes > self.budget:
+                return False
+        self.reserved_bytes += nbytes
+        self.total_bytes += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Undo a :meth:`reserve`."""
+        self.reserved_bytes -= nbytes
+        self.total_bytes -= nbytes
 
     def settle(self, tier_of: TierFn) -> None:
         """After an input: evict if over budget, note the peak."""

@@ -44,7 +44,7 @@ from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import MalformedTrack
 from kvcs_core.moqt.windows import FetchRange, fetch_range
-from kvcs_core.relay.cache import Cache, CacheEntry, Spans
+from kvcs_core.relay.cache import Cache, CacheEntry, Spans, track_cost
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.routing import Router
 from kvcs_core.relay.tracks import (
@@ -138,8 +138,11 @@ class RelayCore:
         track = self._tracks.get(name)
         if track is not None and not track.malformed:
             return track
-        if track is None and len(self._tracks) >= self.config.max_tracks and not self._reclaim():
-            return None
+        if track is None:
+            if len(self._tracks) >= self.config.max_tracks and not self._reclaim():
+                return None
+            if not self._cache.reserve(track_cost(name), self._tier):
+                return None  # the cache budget cannot hold one more track record
         track = Track(name)
         self._tracks[name] = track
         return track
@@ -157,6 +160,7 @@ class RelayCore:
                 tracks[name] = t  # busy: to the back
                 continue
             self._cache.drop(name)
+            self._cache.release(track_cost(name))
             del tracks[name]
             return True
         return False
@@ -179,6 +183,7 @@ class RelayCore:
             return  # cached data: kept until evicted (then forgotten here)
         if self._tracks.get(track.name) is track:
             del self._tracks[track.name]
+            self._cache.release(track_cost(track.name))
             if entry is not None:
                 self._cache.drop(track.name)
                 track.entry = None
