@@ -327,6 +327,10 @@ class Cache:
         """Accounted bytes evicted so far."""
         self.not_kept = 0
         """Objects forwarded but not kept (evicted in the step they arrived)."""
+        self.transit_bytes = 0
+        """Bytes of objects forwarded but never kept that sessions still hold (not part of
+        :attr:`total_bytes`: bounded by the sessions' queue limits, module docstring)."""
+        self._transit: dict[int, weakref.ref[StoredObject]] = {}
         self.emptied: list[FullTrackName] = []
         """Tracks whose last group was evicted since the owner last looked (it may forget
         them)."""
@@ -555,8 +559,21 @@ class Cache:
             if obj is keep:
                 self.not_kept += 1
                 self._let_go(bkey)  # forwarded, never kept: in transit only
+                self._in_transit(obj)
                 continue
             self._pin(obj, object_cost(obj), bkey)
+
+    def _in_transit(self, obj: StoredObject) -> None:
+        """Count a forwarded, never kept object in :attr:`transit_bytes` while it lives."""
+        key, cost = id(obj), OBJECT_OVERHEAD + obj.size
+        transit = self._transit
+
+        def release(_ref: object, key: int = key, cost: int = cost) -> None:
+            if transit.pop(key, None) is not None:
+                self.transit_bytes -= cost
+
+        transit[key] = weakref.ref(obj, release)
+        self.transit_bytes += cost
 
     def _pin(self, obj: StoredObject, cost: int, bkey: int) -> None:
         """Count ``obj`` (and its buffer) until the last reference to it goes."""

@@ -156,5 +156,9 @@ class RelayStats:
     """Sessions the relay owns (open ones)."""
     downstream_subscriptions: int
     """Downstream subscriptions served now."""
+    transit_bytes: int = 0
+    """Bytes of objects forwarded but never kept (larger than what the cache could hold)
+    that the sessions still hold; with ``cache_bytes`` this is every object byte the
+    relay holds."""
     refused_for_rate: int = 0
     """Requests refused so far because their session passed ``request_rate``."""

@@ -442,15 +442,17 @@ class RelayCore:
             return 0, None, ()
         spans: list[tuple[int, int]] = []
         for f in track.fetches:
-            if f.groups is not None:
-                spans.append((f.groups.start, f.groups.stop - 1))
-            elif f.span_from is not None:
+            if f.purpose is FetchPurpose.REFETCH:
+                continue  # restores stream to the fills that wait (late fill): not kept for them
+            if f.span_from is not None:
                 end = f.end_location.group if f.end_location is not None else MAX_VI64
                 spans.append((f.span_from.group, end))
             else:
                 spans.append((0, MAX_VI64))
-        if track.fetches:
-            return None, None, tuple(spans)  # a request waits for this track's groups
+        if spans:
+            # a FETCH answered from the store once complete, or a refill making the cache
+            # whole, needs what arrives kept: evicted only as a last resort
+            return None, None, tuple(spans)
         if track.live:
             largest = entry.store.largest
             return 2, largest.group if largest is not None else None, ()

@@ -336,6 +336,7 @@ class Relay(Offers):
             tracks=len(self._tracks),
             sessions=len(self._peers),
             downstream_subscriptions=sum(len(t.served) for t in self._tracks.values()),
+            transit_bytes=cache.transit_bytes,
             refused_for_rate=self.refused_for_rate,
         )
 
