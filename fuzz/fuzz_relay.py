@@ -256,10 +256,9 @@ class RelayUnderTest:
         if kind == PUB_OBJECT:
             g, o, size = pick(r.byte()), pick(r.byte()), r.byte() * 256
             props = (KeyValuePair(0x41, b"p" * 2000),) if arg & 8 else ()
-            try:
+            # beyond an end, a conflicting duplicate: the store refuses
+            with contextlib.suppress(MalformedTrack, ValueError):
                 self.stores[name].append(g, o, bytes([g & 255]) * size, properties=props)
-            except (MalformedTrack, ValueError):
-                pass  # beyond an end, a conflicting duplicate: the store refuses
         elif kind == PUB_EOG:
             with contextlib.suppress(MalformedTrack, ValueError):
                 self.stores[name].append(
