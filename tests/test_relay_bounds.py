@@ -180,3 +180,26 @@ def test_evicted_objects_still_being_sent_are_counted_until_released() -> None:
     del snapshot
     assert cache.pinned_bytes == 0 and cache.buffer_bytes == 0
     assert cache.total_bytes == entry.cost
+
+
+# --- found by fuzz/fuzz_relay.py ----------------------------------------------------------
+
+
+def test_an_object_below_its_subgroups_last_one_is_not_sent_live() -> None:
+    """Objects of one subgroup reaching a store out of order (Object 5, then 2): the live
+    subgroup stream cannot go back (d21 11.3.1); the session used to raise EncodeError
+    (negative Object ID delta) out of ``poll_data``. Now the late one is not sent live."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("order")))
+    s = rn.add_subscriber(relay)
+    rid = s.subscribe_all(store.name)
+    rn.run_until(lambda: s.accepted(rid))
+    store.append(0, 5, payload(0, 5))
+    store.append(0, 2, payload(0, 2))
+    store.append(0, 6, payload(0, 6))
+    rn.settle(0.05)
+    got = s.normal(rid)
+    assert Location(0, 5) in got and Location(0, 6) in got
+    assert all(got[loc] == payload(loc.group, loc.object) for loc in got)

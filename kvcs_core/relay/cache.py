@@ -45,10 +45,13 @@ served downstream by the sessions with ``accept_subscribe`` / ``accept_fetch``
   2     live upstream; the group holding Largest Object (being produced) is kept
   ====  ==========================================================================
 
-  Groups a waiting request needs right now (an upstream FETCH in flight, a
-  SUBSCRIBE waiting for evicted groups; the relay says so through the tier
-  function) and the group being produced are *protected*: they go only when
-  nothing else is left, in a last pass that stops at the budget. So an object
+  Groups a waiting request needs kept (the range of an upstream FETCH that a
+  downstream FETCH waits for, or a refill making the cache whole; the relay says
+  so through the tier function) and the group being produced are *protected*:
+  they go only when nothing else is left, in a last pass that stops at the
+  budget. Groups re-fetched for a late SUBSCRIBE are not: each restored object
+  reaches the fills that lack it as it arrives (a late fill, A27), so the cache
+  never has to hold a late joiner's whole range. So an object
   larger than the budget, or larger than what can ever fit, is handed to the
   live subscribers (the store's listeners run on append) and then evicted with
   its group: forwarded, never kept. "Used" means a downstream request was

@@ -25,6 +25,17 @@ router, the timers) and the steps used on both sides of the relay:
   once with the track's terminal status (its fill still delivers the cached
   objects first); with no cache either it is refused (the upstream's error
   code, or DOES_NOT_EXIST).
+* A downstream SUBSCRIBE whose fill crosses evicted groups is accepted like
+  any other (its fill sends what is cached) and the evicted groups are FETCHed
+  upstream; each restored object goes to the fills that lack it on a late fill
+  stream as it arrives (A27). Subscriptions of a track with no upstream left
+  end once no such re-fetch is in flight (:meth:`RelayCore._end_idle`).
+* Tracks nobody needs (no feed, no request, nothing cached) are forgotten
+  (:meth:`RelayCore._forget_idle`); every track record is charged to the cache
+  budget, and at ``max_tracks`` an idle one is reclaimed with a bounded scan.
+* Each new peer request takes a token of its session's bucket
+  (``RelayConfig.request_rate``); without one it is refused EXCESSIVE_LOAD with
+  a Retry Interval.
 * :meth:`RelayCore._append` feeds one upstream object into the cache and
   keeps it within budget (:meth:`RelayCore._restore` for an evicted object
   fetched again, which the downstream sessions must not send twice); a
