@@ -95,6 +95,7 @@ import contextlib
 
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
+from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.track_store import BeyondEnd, MalformedTrack
 from kvcs_core.moqt.windows import fetch_range
 from kvcs_core.relay.cache import store_for
@@ -443,7 +444,12 @@ class Upstream(RelayCore):
         feed = peer.feeds.get(e.request_id)
         if feed is None:
             rec = peer.session.requests.get(e.request_id)
-            if rec is not None and not rec.mine and rec.kind is ev.RequestKind.PUBLISH:
+            if (
+                rec is not None
+                and not rec.mine
+                and rec.kind is ev.RequestKind.PUBLISH
+                and rec.state is RequestState.PENDING  # not a PUBLISH we refused
+            ):
                 peer.orphans.setdefault(e.request_id, []).append(e)  # before PublishRequested
             return
         track = feed.track
