@@ -31,6 +31,7 @@ HARNESSES = (
     "datagram",
     "params",
     "session",
+    "relay",
     "kvcs_payload",
     "kvcs_names",
     "kvcs_manifest",

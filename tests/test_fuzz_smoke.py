@@ -35,6 +35,7 @@ NAMES = (
     "datagram",
     "params",
     "session",
+    "relay",
     "kvcs_payload",
     "kvcs_names",
     "kvcs_manifest",

@@ -56,6 +56,10 @@ class SessionConfig:
     max_concurrent_peer_requests: int = 1024
     """Requests the peer may have open on this session at once (each holds state).
     More -> REQUEST_ERROR EXCESSIVE_LOAD with a Retry Interval (d21 section 9.1)."""
+    max_request_id_window: int = 4096
+    """Peer Request IDs remembered above the low watermark (they arrive out of order,
+    Ambiguity A28). A peer that skips IDs fills it; then the watermark moves up and
+    the IDs it skipped count as used (a later one closes INVALID_REQUEST_ID)."""
     max_peer_data_streams: int = 4096
     """Data streams the peer may have open towards us at once. More -> the new
     stream is stopped (STOP_SENDING EXCESSIVE_LOAD); QUIC's own stream limit

@@ -29,7 +29,9 @@ order (d21 sections 3, 5.1.2, 11):
   objects, no payload copy) and sends from that list, so a relay evicting
   groups of the store meanwhile (its cache budget) removes nothing from a
   response in progress: the objects being served keep their buffers alive
-  until written; eviction only drops the store's own index.
+  until written; eviction only drops the store's own index. The response lets
+  go of each object once it is written, so what an evicted snapshot holds
+  shrinks as it progresses.
 * **Late objects (Ambiguity A27).** Objects can reach the store out of order
   (a relay's upstream delivers subgroups, fills and fetches on separate
   streams): an object below a subscription's live start may be appended after
@@ -135,10 +137,14 @@ class _FillRecord:
     end: Location
     order: GroupOrder
     filters: RangeFilterSet
-    groups: frozenset[int]
-    """The groups the fill's snapshot held objects of (a restored group it lacked is sent)."""
+    groups: frozenset[Location]
+    """The objects the fill's snapshot held (a restored object it lacked is sent; a group
+    a cache evicted while it was being produced may be partly in the snapshot)."""
     late: _Sender | None = None
     """The open late-fill sender, if any (A27)."""
+    restored: set[Location] = attrs.field(factory=set)
+    """Restored objects already sent on this fill: a group a cache evicts and fetches
+    again twice (two late joiners) is restored twice, and must reach the fill once."""
 
 
 @attrs.define(eq=False)
@@ -255,6 +261,15 @@ def _delivery_timeout(
         if is_timeout and isinstance(prop.value, int) and prop.value:
             values.append(prop.value)
     return min(values) / 1000 if values else None
+
+
+def _consume(snapshot: list[StoredObject]) -> Iterator[StoredObject]:
+    """Iterate a snapshot, letting go of each object once yielded, so that a cache that
+    evicted them meanwhile sees their memory freed as the response progresses."""
+    queue = deque(snapshot)
+    snapshot.clear()
+    while queue:
+        yield queue.popleft()
 
 
 def _snapshot(
@@ -406,9 +421,9 @@ class Publisher:
             return False
         order = _fill_or_fetch_order(inner, served.group_order)
         snapshot = _snapshot(served.store, rng.start, rng.end, order)
+        groups = frozenset(o.location for o in snapshot)
         sender = self._add_cursor_sender(served, _Kind.FILL, rec.request_id, snapshot, order)
         sender.filters = served.filters.apply_update(inner)
-        groups = frozenset(o.location.group for o in snapshot)
         served.fills.append(
             _FillRecord(rec.request_id, rng.start, rng.end, order, sender.filters, groups)
         )
@@ -832,6 +847,13 @@ class Publisher:
         if sender.finished:
             return  # a subgroup abandoned after a delivery timeout
         queue = sender.queue
+        if not obj.datagram:
+            floor = queue[-1].location.object + 1 if queue else sender.next_oid
+            if loc.object < floor:
+                # Object IDs ascend on a subgroup stream (d21 11.3.1): one that reached the
+                # store after a later one of its subgroup (two publishers of a track, a
+                # relay's out-of-order upstream) cannot go on it; it is not sent live
+                return
         was_idle = not queue and not sender.partial
         queue.append(obj)
         sender.enqueued.append(self.now)
@@ -891,11 +913,11 @@ class Publisher:
             return  # empty range or start past Largest Object: no fill stream (wire ref. 6.2)
         order = _fill_or_fetch_order(inner, served.group_order)
         snapshot = _snapshot(served.store, rng.start, rng.end, order)
+        groups = frozenset(o.location for o in snapshot)
         sender = self._add_cursor_sender(served, _Kind.FILL, via_request_id, snapshot, order)
         # the fill inherits the subscription's range filters; inner ones override (d21 3.4)
         sender.filters = served.filters.apply_update(inner)
         fills = served.fills
-        groups = frozenset(o.location.group for o in snapshot)
         fills.append(_FillRecord(via_request_id, rng.start, rng.end, order, sender.filters, groups))
         if len(fills) > _MAX_FILL_RECORDS:
             del fills[0]
@@ -909,8 +931,10 @@ class Publisher:
         for fill in reversed(served.fills):
             if not (fill.start <= loc <= fill.end) or not fill.filters.matches(obj):
                 continue
-            if restored and loc.group in fill.groups:
-                return  # the fill had that group: the subscriber got the object then
+            if restored:
+                if loc in fill.groups or loc in fill.restored:
+                    return  # the subscriber got the object with the fill, or restored already
+                fill.restored.add(loc)
             sender = fill.late
             if sender is None or sender.finished or not _follows(sender.last_loc, loc, fill.order):
                 sender = self._new_sender(served, _Kind.FILL, priority=0)
@@ -939,7 +963,7 @@ class Publisher:
     ) -> _Sender:
         sender = self._new_sender(served, kind, priority=0)
         sender.fetch_writer = FetchStreamWriter(request_id, order)
-        sender.cursor = iter(snapshot)
+        sender.cursor = _consume(snapshot)
         assert sender.stream is not None
         self._out.write(sender.stream, sender.fetch_writer.header_bytes())
         served.others.append(sender)

@@ -23,12 +23,14 @@ FAILED          REQUEST_ERROR, cancellation or a local failure
 Request IDs (d21 section 6.4.2.1): the client uses even IDs, the server odd
 ones, +2 per request *and per REQUEST_UPDATE*. Wrong parity or reuse closes the
 session with INVALID_REQUEST_ID. IDs arrive out of order, so the set of seen
-IDs is kept as a low watermark plus a set above it (Ambiguity A28).
+IDs is kept as a low watermark plus a bounded set above it (Ambiguity A28;
+:class:`RequestIdTracker`).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 
 import attrs
@@ -120,14 +122,20 @@ class RequestIdTracker:
     """Validates the peer's Request IDs: parity and no reuse (d21 6.4.2.1, Ambiguity A28).
 
     IDs below the low watermark are all "seen"; IDs above are kept in a set that
-    the watermark absorbs as it advances, so memory stays proportional to the
-    out-of-order window, not to the session's lifetime.
+    the watermark absorbs as it advances. The set is bounded (``limit``): a peer that
+    skips IDs cannot make it grow for ever. When it is full, the watermark jumps to
+    just past the smallest ID held, so the IDs it skipped below that count as used
+    (A28: "IDs far below the watermark count as reused"). Each step costs
+    O(log limit).
     """
 
     parity: int
+    limit: int = 4096
     _watermark: int = 0
-    """Every ID of our parity below this has been seen."""
+    """Every ID of our parity below this has been seen (or given up on)."""
     _above: set[int] = attrs.field(factory=set)
+    _heap: list[int] = attrs.field(factory=list)
+    """The IDs of ``_above``, as a min-heap."""
 
     def __attrs_post_init__(self) -> None:
         self._watermark = self.parity
@@ -138,9 +146,13 @@ class RequestIdTracker:
             return False
         if request_id < self._watermark or request_id in self._above:
             return False
-        self._above.add(request_id)
-        while self._watermark in self._above:
-            self._above.discard(self._watermark)
+        above, heap = self._above, self._heap
+        above.add(request_id)
+        heapq.heappush(heap, request_id)
+        if len(above) > self.limit:
+            self._watermark = heap[0]  # give up on the IDs skipped below the smallest held
+        while heap and heap[0] == self._watermark:
+            above.discard(heapq.heappop(heap))
             self._watermark += 2
         return True
 

@@ -108,7 +108,9 @@ class MoqtSession(PeerRequests, OwnRequests):
         self._pre_setup: list[TransportEvent] = []
         self._pre_setup_bytes = 0
         self._next_request_id = 0 if config.role is Role.CLIENT else 1
-        self._peer_ids = RequestIdTracker(parity=1 if config.role is Role.CLIENT else 0)
+        self._peer_ids = RequestIdTracker(
+            parity=1 if config.role is Role.CLIENT else 0, limit=config.max_request_id_window
+        )
         self.requests: dict[int, RequestRecord] = {}
         """Every request of this session, ours and the peer's, by Request ID."""
         self._by_stream: dict[StreamRef, RequestRecord] = {}

@@ -6,13 +6,22 @@ Everything a relay holds on behalf of its peers is bounded here (STYLE.md R8),
 next to the outcome of passing the bound (wire reference section 10, d21
 section 7):
 
-* the **cache** is bounded in payload bytes across every track
-  (:attr:`RelayConfig.cache_budget_bytes`); passing it evicts whole groups, in
-  the order documented in :mod:`kvcs_core.relay.cache`;
+* the **cache** is bounded in accounted bytes across every track
+  (:attr:`RelayConfig.cache_budget_bytes`: payload buffers, properties and
+  per-object, per-group and per-track overhead, evicted objects still being
+  sent included), after every input; passing it evicts whole groups, in the
+  order documented in :mod:`kvcs_core.relay.cache`;
 * one **slow downstream subscriber** is bounded by its own session's
   ``SessionConfig.max_queued_bytes_per_subscription``: past it, that session
   ends the subscription with PUBLISH_DONE TOO_FAR_BEHIND (d21 section 5.2)
   and nobody else is affected; the relay never queues per subscriber itself;
+* **requests** are bounded in rate per session (:attr:`RelayConfig.request_rate`,
+  a token bucket; over it -> REQUEST_ERROR EXCESSIVE_LOAD with a Retry
+  Interval) and in number by each session's ``max_concurrent_peer_requests``;
+  SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT) by
+  :attr:`RelayConfig.max_rendezvous` and :attr:`RelayConfig.rendezvous_cap`;
+* **tracks** are bounded by :attr:`RelayConfig.max_tracks`, and a track
+  nobody needs (no publisher, nothing cached, no request) is forgotten at once;
 * **waiting** is bounded in time: a downstream SUBSCRIBE waits for the
   upstream fill at most :attr:`RelayConfig.fill_timeout`, an upstream
   PUBLISH_DONE waits for its data streams at most
@@ -49,7 +58,9 @@ class RelayConfig:
     """How a :class:`~kvcs_core.relay.relay.Relay` behaves. Durations are seconds."""
 
     cache_budget_bytes: int = attrs.field(default=1 << 30, validator=_positive)
-    """Object payload bytes cached over all tracks. Above it, whole groups are evicted
+    """Bytes the cache may hold over all tracks, as accounted by
+    :mod:`kvcs_core.relay.cache` (payloads, properties, fixed overheads). It holds after
+    every input: above it, whole groups are evicted
     (:mod:`kvcs_core.relay.cache`) down to ``evict_to`` of the budget; an evicted
     group is *unknown* again (d21 section 7.1) and re-fetched upstream on demand."""
     evict_to: float = attrs.field(default=0.9, validator=_fraction)
@@ -72,6 +83,22 @@ class RelayConfig:
     max_tracks: int = attrs.field(default=100_000, validator=_positive)
     """Tracks the relay keeps state for. A request for a new track beyond it is
     refused with EXCESSIVE_LOAD (d21 section 7: protect the relay)."""
+
+    request_rate: float = attrs.field(default=200.0, validator=_non_negative)
+    """New requests per second one session may open, on average (a token bucket per
+    session; 0 = no limit). Past it, the request is refused with REQUEST_ERROR
+    EXCESSIVE_LOAD and a Retry Interval (wire reference 10: relays SHOULD protect
+    themselves by rate-limiting requests; d21 9.4). The wire defines no session-level
+    code for load (0x7, once TOO_MANY_REQUESTS, is unassigned: wire reference 8.1), so
+    sustained abuse keeps being refused request by request; each refusal costs O(1)."""
+    request_burst: int = attrs.field(default=400, validator=_positive)
+    """Requests a session may open at once before ``request_rate`` applies."""
+    rendezvous_cap: float = attrs.field(default=30.0, validator=_non_negative)
+    """Longest a SUBSCRIBE's RENDEZVOUS_TIMEOUT is honoured, in seconds (relays MAY cap
+    it, wire reference 5.7)."""
+    max_rendezvous: int = attrs.field(default=1024, validator=_positive)
+    """SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT) over all sessions; a new one
+    beyond it is answered at once (DOES_NOT_EXIST), as without the parameter."""
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.upstream_priority <= 255:
@@ -114,18 +141,24 @@ class RelayStats:
     """Relay-wide accounting, at the time of the call."""
 
     cache_bytes: int
-    """Payload bytes cached now, over every track."""
+    """Accounted bytes the cache holds now, over every track (never above the budget)."""
     peak_cache_bytes: int
-    """The most ``cache_bytes`` ever was."""
+    """The most ``cache_bytes`` ever was after an input."""
     upstream_bytes_received: int
     """Payload bytes received from upstream sessions (subscriptions, fills, fetches)."""
     upstream_objects_received: int
     """Objects received from upstream sessions, duplicates included."""
     evicted_bytes: int
-    """Payload bytes evicted so far."""
+    """Accounted bytes evicted so far."""
     tracks: int
     """Tracks the relay keeps state for."""
     sessions: int
     """Sessions the relay owns (open ones)."""
     downstream_subscriptions: int
     """Downstream subscriptions served now."""
+    transit_bytes: int = 0
+    """Bytes of objects forwarded but never kept (larger than what the cache could hold)
+    that the sessions still hold; with ``cache_bytes`` this is every object byte the
+    relay holds."""
+    refused_for_rate: int = 0
+    """Requests refused so far because their session passed ``request_rate``."""

@@ -25,6 +25,17 @@ router, the timers) and the steps used on both sides of the relay:
   once with the track's terminal status (its fill still delivers the cached
   objects first); with no cache either it is refused (the upstream's error
   code, or DOES_NOT_EXIST).
+* A downstream SUBSCRIBE whose fill crosses evicted groups is accepted like
+  any other (its fill sends what is cached) and the evicted groups are FETCHed
+  upstream; each restored object goes to the fills that lack it on a late fill
+  stream as it arrives (A27). Subscriptions of a track with no upstream left
+  end once no such re-fetch is in flight (:meth:`RelayCore._end_idle`).
+* Tracks nobody needs (no feed, no request, nothing cached) are forgotten
+  (:meth:`RelayCore._forget_idle`); every track record is charged to the cache
+  budget, and at ``max_tracks`` an idle one is reclaimed with a bounded scan.
+* Each new peer request takes a token of its session's bucket
+  (``RelayConfig.request_rate``); without one it is refused EXCESSIVE_LOAD with
+  a Retry Interval.
 * :meth:`RelayCore._append` feeds one upstream object into the cache and
   keeps it within budget (:meth:`RelayCore._restore` for an evicted object
   fetched again, which the downstream sessions must not send twice); a
@@ -44,7 +55,7 @@ from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import MalformedTrack
 from kvcs_core.moqt.windows import FetchRange, fetch_range
-from kvcs_core.relay.cache import Cache, CacheEntry
+from kvcs_core.relay.cache import Cache, CacheEntry, Spans, track_cost
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.routing import Router
 from kvcs_core.relay.tracks import (
@@ -59,6 +70,9 @@ from kvcs_core.relay.tracks import (
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import MAX_VI64, PublishDoneCode, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
+
+_RECLAIM_SCAN = 64
+"""Tracks :meth:`RelayCore._reclaim` looks at, at most, per new track at ``max_tracks``."""
 
 
 def next_after(loc: Location) -> Location:
@@ -85,6 +99,11 @@ class RelayCore:
         self._router = Router()
         self._peers: dict[MoqtSession, Peer] = {}
         self._tracks: dict[FullTrackName, Track] = {}
+        self.refused_for_rate = 0
+        self._rendezvous: dict[DownstreamSubscription, float] = {}
+        """SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT): their deadlines."""
+        self._rendezvous_heap: list[tuple[float, int, DownstreamSubscription]] = []
+        self._rendezvous_seq = 0
         self._timed: dict[Feed | Track, None] = {}
         """Feeds waiting after PUBLISH_DONE, tracks waiting for their fill: the timers."""
         self._now = 0.0
@@ -130,29 +149,55 @@ class RelayCore:
         track = self._tracks.get(name)
         if track is not None and not track.malformed:
             return track
-        if track is None and len(self._tracks) >= self.config.max_tracks and not self._reclaim():
-            return None
+        if track is None:
+            if len(self._tracks) >= self.config.max_tracks and not self._reclaim():
+                return None
+            if not self._cache.reserve(track_cost(name), self._tier):
+                return None  # the cache budget cannot hold one more track record
         track = Track(name)
         self._tracks[name] = track
         return track
 
     def _reclaim(self) -> bool:
-        """Forget the least recently used idle track (no request in flight, nothing
-        served from it), its cache included, to make room for a new one."""
-        victim: Track | None = None
-        for t in self._tracks.values():
-            if t.feeds or t.fetches or t.pending or t.served:
+        """Forget an idle track (no request in flight, nothing served from it), its cache
+        included, to make room for a new one. Looks at most ``_RECLAIM_SCAN`` tracks, the
+        oldest first; busy ones move to the back, so the work per call is bounded whatever
+        the number of tracks (approximately least recently added first)."""
+        tracks = self._tracks
+        for _ in range(min(_RECLAIM_SCAN, len(tracks))):
+            name, t = next(iter(tracks.items()))
+            if t.feeds or t.fetches or t.pending or t.served or t in self._timed:
+                del tracks[name]
+                tracks[name] = t  # busy: to the back
                 continue
-            if victim is None or (t.entry.last_used if t.entry else -1) < (
-                victim.entry.last_used if victim.entry else -1
-            ):
-                victim = t
-        if victim is None:
-            return False
-        self._cache.drop(victim.name)
-        del self._tracks[victim.name]
-        self._timed.pop(victim, None)
-        return True
+            self._cache.drop(name)
+            self._cache.release(track_cost(name))
+            del tracks[name]
+            return True
+        return False
+
+    def _forget_idle(self, track: Track) -> None:
+        """Forget a track nobody needs (finding 8: phantom tracks): no feed, no upstream
+        FETCH, no downstream request, no timer, and nothing cached. A track that was only
+        asked about (no publisher) thus leaves no record behind."""
+        if (
+            track.feeds
+            or track.fetches
+            or track.pending
+            or track.served
+            or track in self._timed
+            or track.early
+        ):
+            return
+        entry = track.entry
+        if entry is not None and entry.groups:
+            return  # cached data: kept until evicted (then forgotten here)
+        if self._tracks.get(track.name) is track:
+            del self._tracks[track.name]
+            self._cache.release(track_cost(track.name))
+            if entry is not None:
+                self._cache.drop(track.name)
+                track.entry = None
 
     def _want_forward(self, track: Track) -> bool:
         """The Forward State the track's upstream subscriptions should have: 1 when a
@@ -187,11 +232,35 @@ class RelayCore:
 
     # --- answering downstream --------------------------------------------------------------
 
-    def _reject(self, peer: Peer, request_id: int, code: int, reason: str) -> None:
+    def _reject(
+        self, peer: Peer, request_id: int, code: int, reason: str, retry_ms: int | None = None
+    ) -> None:
         if self._pending(peer, request_id):
             peer.session.reject_request(
-                request_id, as_request_error(code), reason[:1024], now=self._now
+                request_id,
+                as_request_error(code),
+                reason[:1024],
+                now=self._now,
+                retry_interval_ms=retry_ms,
             )
+
+    def _over_rate(self, peer: Peer, request_id: int) -> bool:
+        """Take one token of the peer's request bucket (``RelayConfig.request_rate``);
+        without one, refuse the request with EXCESSIVE_LOAD and a Retry Interval."""
+        rate = self.config.request_rate
+        if rate <= 0:
+            return False
+        burst = float(self.config.request_burst)
+        tokens = min(burst, peer.tokens + (self._now - peer.tokens_at) * rate)
+        peer.tokens_at = self._now
+        if tokens >= 1.0:
+            peer.tokens = tokens - 1.0
+            return False
+        peer.tokens = tokens
+        self.refused_for_rate += 1
+        retry = max(1, int((1.0 - tokens) / rate * 1000.0) + 1)
+        self._reject(peer, request_id, RequestErrorCode.EXCESSIVE_LOAD, "request rate", retry)
+        return True
 
     def _end(self, sub: DownstreamSubscription, status: int, reason: str) -> None:
         """PUBLISH_DONE for a downstream subscription once its queues drained (the session
@@ -213,7 +282,13 @@ class RelayCore:
         """Hook: an upstream subscription or PUBLISH of ``track`` was established."""
 
     def _serve_pending(self, track: Track) -> None:
-        """Answer the downstream SUBSCRIBEs waiting on ``track`` (module docstring)."""
+        """Answer the downstream SUBSCRIBEs waiting on ``track`` (module docstring); a
+        track left with nothing to do is forgotten."""
+        self._serve_pending_now(track)
+        self._forget_idle(track)
+
+    def _serve_pending_now(self, track: Track) -> None:
+        self._end_idle(track)
         if not track.pending:
             return
         if track.malformed:
@@ -239,10 +314,14 @@ class RelayCore:
                 RequestErrorCode.DOES_NOT_EXIST,
                 "no publisher for this track",
             )
+            held: list[DownstreamSubscription] = []
             for sub in track.pending:
+                if code == RequestErrorCode.DOES_NOT_EXIST and sub in self._rendezvous:
+                    held.append(sub)  # RENDEZVOUS_TIMEOUT: wait for a publisher (5.7)
+                    continue
                 sub.peer.subscriptions.pop(sub.request_id, None)
                 self._reject(sub.peer, sub.request_id, code, reason)
-            track.pending.clear()
+            track.pending[:] = held
             return
         for sub in list(track.pending):
             if not self._pending(sub.peer, sub.request_id, RequestKind.SUBSCRIBE):
@@ -251,17 +330,34 @@ class RelayCore:
                 continue
             if not ready and sub.forward:
                 continue
-            groups = self._evicted_needed(entry, sub.params) if sub.forward else None
-            if groups is not None and self._refetch(track, groups):
-                continue  # the fill would cross evicted groups: get them back first
             track.pending.remove(sub)
             sub.peer.session.accept_subscribe(sub.request_id, entry.store, now=self._now)
             self._cache.touch(entry)
-            if active:
-                track.served[sub] = None
+            # the fill crosses evicted groups: FETCH them again; each restored object goes
+            # to the fill on a late fill stream as it arrives (A27, MoqtSession.restoring),
+            # so the cache never has to hold the whole range at once (cache docstring)
+            groups = self._evicted_needed(entry, sub.params) if sub.forward else None
+            refetching = groups is not None and self._refetch(track, groups)
+            if active or refetching:
+                track.served[sub] = None  # ended when the re-fetch is over (_end_idle)
             else:
                 status, reason = self._terminal(track)
                 self._end(sub, status, reason)
+
+    def _end_idle(self, track: Track) -> None:
+        """With no upstream feed left, subscriptions kept only for a re-fetch of evicted
+        groups end once no re-fetch is in flight (with the track's terminal status)."""
+        if (
+            not track.served
+            or track.malformed
+            or track.active
+            or any(f.purpose is FetchPurpose.REFETCH for f in track.fetches)
+        ):
+            return
+        status, reason = self._terminal(track)
+        for sub in list(track.served):
+            self._end(sub, status, reason)
+        track.served.clear()
 
     @staticmethod
     def _fill_range(
@@ -285,8 +381,8 @@ class RelayCore:
         rng = self._fill_range(entry, params, lf)
         if rng is None:
             return None
-        gs = [g for g in entry.evicted if rng.start.group <= g <= rng.end.group]
-        return range(min(gs), max(gs) + 1) if gs else None
+        span = entry.evicted.span_within(rng.start.group, rng.end.group)  # O(intervals)
+        return range(span[0], span[1] + 1) if span is not None else None
 
     def _refetch(self, track: Track, groups: range) -> bool:
         """FETCH evicted ``groups`` upstream (or join such a FETCH); False: no route."""
@@ -320,6 +416,8 @@ class RelayCore:
         )
         peer.feeds[rid] = feed
         track.fetches.append(feed)
+        if track.entry is not None:
+            self._cache.refetching(track.entry, groups)
         return True
 
     # --- the cache feed ------------------------------------------------------------------
@@ -327,12 +425,12 @@ class RelayCore:
     def _append(self, track: Track, entry: CacheEntry, e: ObjectReceived) -> None:
         """One upstream object into the cache (a duplicate is a no-op)."""
         try:
-            self._cache.append(entry, e)
+            obj = self._cache.append(entry, e)
         except (MalformedTrack, ValueError) as exc:
             self._malformed(track, str(exc))
             return
         if self._cache.total_bytes > self._cache.budget:
-            self._cache.evict(self._tier)
+            self._cache.evict(self._tier, keep=obj)
 
     def _restore(self, track: Track, entry: CacheEntry, e: ObjectReceived) -> None:
         """An object of an evicted group fetched again (a fill or a FETCH): the downstream
@@ -347,19 +445,29 @@ class RelayCore:
             for session in sessions.values():
                 session.restoring(None)
 
-    def _tier(self, entry: CacheEntry) -> tuple[int, int | None] | None:
-        """Eviction tier of a track (cache module docstring); None: not now."""
+    def _tier(self, entry: CacheEntry) -> tuple[int | None, int | None, Spans]:
+        """Eviction tier of a track, its protected group and the group spans its upstream
+        FETCHes bring for waiting requests (cache module docstring)."""
         track = self._tracks.get(entry.store.name)
         if track is None:
-            return 0, None
-        if track.fetches or any(
-            self._evicted_needed(entry, s.params) is not None for s in track.pending
-        ):
-            return None  # a request waits for this track's groups right now
+            return 0, None, ()
+        spans: list[tuple[int, int]] = []
+        for f in track.fetches:
+            if f.purpose is FetchPurpose.REFETCH:
+                continue  # restores stream to the fills that wait (late fill): not kept for them
+            if f.span_from is not None:
+                end = f.end_location.group if f.end_location is not None else MAX_VI64
+                spans.append((f.span_from.group, end))
+            else:
+                spans.append((0, MAX_VI64))
+        if spans:
+            # a FETCH answered from the store once complete, or a refill making the cache
+            # whole, needs what arrives kept: evicted only as a last resort
+            return None, None, tuple(spans)
         if track.live:
             largest = entry.store.largest
-            return 2, largest.group if largest is not None else None
-        return (1 if track.served else 0), None
+            return 2, largest.group if largest is not None else None, ()
+        return (1 if track.served else 0), None, ()
 
     def _malformed(self, track: Track, reason: str) -> None:
         """d21 12.1 / wire reference 7.10: end everything downstream with MALFORMED_TRACK,

@@ -66,10 +66,24 @@ answer, else asked upstream first (:mod:`~kvcs_core.relay.upstream`).
 the peer, now and later, or named in PUBLISH_SKIPPED
 (:mod:`~kvcs_core.relay.offers`).
 
+**RENDEZVOUS_TIMEOUT** (wire reference 5.7): a SUBSCRIBE for a track with no
+publisher (no route, or every route answered DOES_NOT_EXIST) and nothing
+cached, carrying a non-zero RENDEZVOUS_TIMEOUT, is held unanswered until a
+publisher appears (a PUBLISH_NAMESPACE covering it, a PUBLISH of the track, a
+new upstream session: it is then served as any SUBSCRIBE) or the timeout
+(capped at ``RelayConfig.rendezvous_cap``) passes: REQUEST_ERROR TIMEOUT.
+Without it, DOES_NOT_EXIST at once. At most ``RelayConfig.max_rendezvous``
+are held. A held SUBSCRIBE wins over PUBLISHing the track to the same peer
+(it gets PUBLISH_SKIPPED on its SUBSCRIBE_TRACKS).
+
+**Limits** (:mod:`~kvcs_core.relay.config`): per-session request rate
+(EXCESSIVE_LOAD with a Retry Interval), tracks, the cache budget (which
+holds after every input, :mod:`~kvcs_core.relay.cache`). A track nobody needs
+any more (no publisher, nothing cached, no request) is forgotten.
+
 **Not supported**: authorization (every request is allowed; filter events
 before handing them to the relay); MAX_CACHE_DURATION (objects are kept until
-evicted); RENDEZVOUS_TIMEOUT (a SUBSCRIBE with no publisher is answered at
-once, as with 0).
+evicted).
 
 Chaining: a relay's upstream session can be a downstream session of another
 relay (trees); a parent relay is a default route for tracks no PUBLISH_NAMESPACE
@@ -79,6 +93,7 @@ covers.
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +124,20 @@ from kvcs_core.wire.codes import LocationFilterType, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 
 __all__ = ["Relay"]
+
+
+_NEW_REQUESTS: frozenset[type] = frozenset(
+    {
+        ev.SubscribeRequested,
+        ev.FetchRequested,
+        ev.TrackStatusRequested,
+        ev.PublishNamespaceRequested,
+        ev.SubscribeNamespaceRequested,
+        ev.SubscribeTracksRequested,
+        ev.PublishRequested,
+    }
+)
+"""Events that open a new peer request: each takes a token (``RelayConfig.request_rate``)."""
 
 
 def _fixed_start(lf: p.LocationFilter | None) -> Location | None:
@@ -205,16 +234,35 @@ class Relay(Offers):
             self._advance(now)
         if type(event) is ev.ObjectReceived:  # the hot path: straight into the cache
             self._on_object(peer, event)
-            return True
-        handler = self._handlers.get(type(event))
-        if handler is not None:
-            handler(peer, event)
+        elif type(event) in _NEW_REQUESTS and self._over_rate(
+            peer,
+            getattr(event, "request_id"),  # noqa: B009 - every request event has one
+        ):
+            pass  # refused: EXCESSIVE_LOAD with a Retry Interval (RelayConfig.request_rate)
+        else:
+            handler = self._handlers.get(type(event))
+            if handler is not None:
+                handler(peer, event)
+        self._settle()
         return True
 
     def handle_timer(self, now: float) -> None:
         """Fire due deadlines (PUBLISH_DONE grace, fill timeout); early calls do nothing."""
         self._advance(now)
         self._fire(now)
+        self._settle()
+
+    def _settle(self) -> None:
+        """After every input: the cache within its budget (cache docstring), and tracks
+        whose cache emptied forgotten if nothing else needs them."""
+        cache = self._cache
+        cache.settle(self._tier)
+        if cache.emptied:
+            names, cache.emptied = cache.emptied, []
+            for name in names:
+                track = self._tracks.get(name)
+                if track is not None:
+                    self._forget_idle(track)
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` should next be called, or ``None``."""
@@ -288,6 +336,8 @@ class Relay(Offers):
             tracks=len(self._tracks),
             sessions=len(self._peers),
             downstream_subscriptions=sum(len(t.served) for t in self._tracks.values()),
+            transit_bytes=cache.transit_bytes,
+            refused_for_rate=self.refused_for_rate,
         )
 
     # ------------------------------------------------------------------ downstream requests
@@ -313,12 +363,62 @@ class Relay(Offers):
         track.pending.append(sub)
         if not track.active and not track.complete:
             self._subscribe_upstream(track, exclude=peer)
+            if track.entry is None:  # nothing known of it: may be held for a publisher
+                self._hold(sub, e.params.get(p.RendezvousTimeout))
         else:
             self._sync_forward(track)
             ngr = e.params.get(p.NewGroupRequest)
             if ngr is not None:
                 self._new_group_request(track, ngr.value)
         self._serve_pending(track)
+
+    # ------------------------------------------------------------------ rendezvous
+
+    def _hold(self, sub: DownstreamSubscription, timeout: p.RendezvousTimeout | None) -> None:
+        """RENDEZVOUS_TIMEOUT (wire reference 5.7, d21 9.20.7): a SUBSCRIBE for a track with
+        no publisher is held, unanswered, until one appears (it is then served as usual:
+        a PUBLISH_NAMESPACE covering it, a PUBLISH of it, or a new upstream session) or
+        the timeout passes (REQUEST_ERROR TIMEOUT). 0 or absent: answered at once. The
+        timeout is capped at ``RelayConfig.rendezvous_cap`` and at most
+        ``RelayConfig.max_rendezvous`` SUBSCRIBEs are held (beyond: answered at once)."""
+        if timeout is None or timeout.ms <= 0:
+            return
+        held = self._rendezvous
+        if len(held) >= self.config.max_rendezvous:
+            for old in [s for s in held if s not in s.track.pending]:
+                del held[old]  # answered meanwhile
+            if len(held) >= self.config.max_rendezvous:
+                return
+        at = self._now + min(timeout.ms / 1000.0, self.config.rendezvous_cap)
+        held[sub] = at
+        self._rendezvous_seq += 1
+        heapq.heappush(self._rendezvous_heap, (at, self._rendezvous_seq, sub))
+
+    def _fire(self, now: float) -> None:
+        super()._fire(now)
+        heap, held = self._rendezvous_heap, self._rendezvous
+        while heap and heap[0][0] <= now:
+            at, _seq, sub = heapq.heappop(heap)
+            if held.get(sub) != at:
+                continue  # answered (or re-held) meanwhile
+            del held[sub]
+            track = sub.track
+            if sub in track.pending:
+                track.pending.remove(sub)
+                sub.peer.subscriptions.pop(sub.request_id, None)
+                self._reject(
+                    sub.peer, sub.request_id, RequestErrorCode.TIMEOUT, "no publisher appeared"
+                )
+                self._forget_idle(track)
+
+    def _deadline(self) -> float | None:
+        best = super()._deadline()
+        heap, held = self._rendezvous_heap, self._rendezvous
+        while heap and held.get(heap[0][2]) != heap[0][0]:
+            heapq.heappop(heap)  # stale entries (amortised O(log n) each)
+        if heap and (best is None or heap[0][0] < best):
+            best = heap[0][0]
+        return best
 
     def _on_request_updated(self, peer: Peer, e: ev.RequestUpdated) -> None:
         """A downstream REQUEST_UPDATE its session already answered from the cache (FORWARD,
@@ -384,6 +484,7 @@ class Relay(Offers):
                 self._reject(
                     peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no publisher for track"
                 )
+            self._forget_idle(track)
             return
         peer.fetches[e.request_id] = fetch
         key = (lf,)
@@ -420,7 +521,7 @@ class Relay(Offers):
         if track.active and not track.live:
             return False  # (re)subscribing: the cached Largest Object may be stale
         rng = fetch_range(lf, store.largest)
-        return rng is None or not any(rng.start.group <= g <= rng.end.group for g in entry.evicted)
+        return rng is None or entry.evicted.span_within(rng.start.group, rng.end.group) is None
 
     def _on_track_status(self, peer: Peer, e: ev.TrackStatusRequested) -> None:
         """TRACK_STATUS (d21 9.13, wire ref. 10): from a live cache, else asked upstream."""
@@ -443,6 +544,8 @@ class Relay(Offers):
             peer.session.accept_track_status(e.request_id, entry.store, now=self._now)
         else:
             self._reject(peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no such track")
+        if track is not None:
+            self._forget_idle(track)
 
     def _on_publish_namespace(self, peer: Peer, e: ev.PublishNamespaceRequested) -> None:
         """d21 7.5 / wire ref. 10: accept, record the source, tell the namespace
@@ -493,11 +596,13 @@ class Relay(Offers):
         rid = e.request_id
         sub = peer.subscriptions.pop(rid, None)
         if sub is not None:
+            self._rendezvous.pop(sub, None)
             track = sub.track
             if sub in track.pending:
                 track.pending.remove(sub)
             track.served.pop(sub, None)
             self._sync_forward(track)
+            self._forget_idle(track)
             return
         fetch = peer.fetches.pop(rid, None)
         if fetch is not None:
@@ -526,6 +631,9 @@ class Relay(Offers):
                 if sub.session is not peer.session:
                     self._ensure_upstream_namespace(peer, sub.prefix)
             self._tracks_on_setup(peer)
+            for track in {s.track: None for s in self._rendezvous}:
+                if track.pending and not track.active:  # a new route for a held SUBSCRIBE
+                    self._subscribe_upstream(track, None)
 
     def _on_goaway(self, peer: Peer, e: ev.GoawayReceived) -> None:
         if e.request_id is None:
@@ -539,6 +647,7 @@ class Relay(Offers):
         del self._peers[session]
         affected: dict[Track, None] = {}
         for sub in peer.subscriptions.values():
+            self._rendezvous.pop(sub, None)
             track = sub.track
             if sub in track.pending:
                 track.pending.remove(sub)
@@ -570,6 +679,7 @@ class Relay(Offers):
                 self._finalize(feed, lost=True)
         for track in affected:
             self._sync_forward(track)
+            self._forget_idle(track)
         for query in peer.statuses.values():
             entry = query.track.entry
             for down, rid in query.waiters:

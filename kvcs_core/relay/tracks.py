@@ -92,6 +92,10 @@ class Peer:
     """The peer's SUBSCRIBE_TRACKS we accepted, by Request ID."""
     tracks_up: dict[int, UpstreamTracks] = attrs.field(factory=dict)
     """Our SUBSCRIBE_TRACKS on this session, by Request ID."""
+    tokens: float = float("inf")
+    """Request tokens left (``RelayConfig.request_rate``; capped at the burst on use)."""
+    tokens_at: float = 0.0
+    """When ``tokens`` was last brought up to date."""
 
     @property
     def usable(self) -> bool:

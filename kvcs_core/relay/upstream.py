@@ -95,6 +95,7 @@ import contextlib
 
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
+from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.track_store import BeyondEnd, MalformedTrack
 from kvcs_core.moqt.windows import fetch_range
 from kvcs_core.relay.cache import store_for
@@ -443,7 +444,12 @@ class Upstream(RelayCore):
         feed = peer.feeds.get(e.request_id)
         if feed is None:
             rec = peer.session.requests.get(e.request_id)
-            if rec is not None and not rec.mine and rec.kind is ev.RequestKind.PUBLISH:
+            if (
+                rec is not None
+                and not rec.mine
+                and rec.kind is ev.RequestKind.PUBLISH
+                and rec.state is RequestState.PENDING  # not a PUBLISH we refused
+            ):
                 peer.orphans.setdefault(e.request_id, []).append(e)  # before PublishRequested
             return
         track = feed.track
@@ -466,12 +472,12 @@ class Upstream(RelayCore):
             return
         cache = self._cache
         try:
-            cache.append(entry, e)
+            obj = cache.append(entry, e)
         except (MalformedTrack, ValueError) as exc:
             self._malformed(track, str(exc))
             return
         if cache.total_bytes > cache.budget:
-            cache.evict(self._tier)
+            cache.evict(self._tier, keep=obj)
 
     def _on_stream_ended(self, peer: Peer, e: ev.DataStreamEnded) -> None:
         feed = peer.feeds.get(e.request_id)
@@ -565,10 +571,7 @@ class Upstream(RelayCore):
         ):
             return  # another route: the downstream subscriptions stay up
         track.terminal = (status, reason)
-        for sub in list(track.served):
-            self._end(sub, status, reason)
-        track.served.clear()
-        self._serve_pending(track)
+        self._serve_pending(track)  # ends track.served, once no re-fetch is in flight
 
     def _on_request_failed(self, peer: Peer, e: ev.RequestFailed) -> None:
         if e.update_id is not None:
@@ -667,6 +670,7 @@ class Upstream(RelayCore):
             if entry is not None and feed.groups is not None:
                 self._cache.unevict(entry, feed.groups)
             self._serve_pending(track)
+        self._forget_idle(track)
 
     def _fetched_to_end(self, feed: Feed) -> None:
         """A FETCH answered with End Of Track delivered its range: from {0,0} and with no

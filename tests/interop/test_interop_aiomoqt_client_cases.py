@@ -34,15 +34,9 @@ CASES = [
     "publish-track-subscribe",
 ]
 
-UNSUPPORTED = {
-    "rendezvous-timeout": (
-        "RENDEZVOUS_TIMEOUT (0x04) is not supported by our relay (kvcs_core/relay/relay.py, "
-        "'Not supported'): a SUBSCRIBE for a track with no publisher is answered at once "
-        "with REQUEST_ERROR DOES_NOT_EXIST (0x10), as for a timeout of 0, where the case "
-        "wants the SUBSCRIBE held 500 ms and then TIMEOUT (0x2) (wire reference 5.7: a "
-        "relay SHOULD hold it)"
-    ),
-}
+UNSUPPORTED: dict[str, str] = {}
+"""Cases our relay cannot pass because of a documented unsupported feature (none now:
+RENDEZVOUS_TIMEOUT is supported, kvcs_core/relay/relay.py)."""
 
 
 def test_the_client_lists_these_cases(peers: Any) -> None:
