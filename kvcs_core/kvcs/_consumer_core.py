@@ -394,6 +394,8 @@ class ConsumerCore:
         self._disc_deadline: float | None = None
         self._recovery_deadline: float | None = None
         self._last_progress = 0.0
+        self._last_stall: float | None = None
+        """When the last stall fired (``_last_progress`` still equals it: nothing since)."""
         self.excess_objects = 0
         """Objects received that were not needed (outside the ranges, or duplicates)."""
 

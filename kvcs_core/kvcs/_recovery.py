@@ -21,8 +21,10 @@ the segment is complete without digests.
 
 * stall: when data requests are open (or Objects HELD) and nothing was verified
   (and no manifest version accepted) for ``stall_timeout``, every open data
-  request is failed and cancelled, HELD Objects become missing, the manifest
-  subscription moves to another session if there is one, and recovery starts;
+  request is failed and cancelled, the manifest subscription moves to another
+  session if there is one (HELD Objects then wait one more ``stall_timeout`` for
+  its versions; otherwise, or on a second stall in a row, they become missing),
+  and recovery starts;
 * recovery: from the first missing Object on, ``recovery_time_bound`` runs; each
   recovered Object restarts it, so recovery that makes progress continues, and
   recovery that does not is bounded. When it passes, every missing Object is
@@ -128,29 +130,38 @@ class RecoveryMixin(ConsumerCore):
                 if sum(1 for _ in self._usable_sessions(req.pub)) > 1:
                     req.no_retry = True
                 self._end_request(req, now, cancel=True, forget=True)
+        moved = [pub.id for pub in list(self._pubs.values()) if self._move_manifest(pub, now)]
+        again = self._last_stall is not None and self._last_stall == self._last_progress
         for ci, layer, b in list(table.each(ObjState.HELD)):
-            self._views.pop((ci, layer, b), None)
-            table.set(ci, layer, b, ObjState.GAP)
-        for pub in self._pubs.values():
-            self._move_manifest(pub, now)
-        self._last_progress = now
+            # a HELD Object waits for the manifest; it gets one more chance when the
+            # manifest subscription moved, unless this stall follows one without progress
+            if again or not moved:
+                self._views.pop((ci, layer, b), None)
+                table.set(ci, layer, b, ObjState.GAP)
+        self._last_progress = self._last_stall = now
         self._reconcile(now)
 
-    def _move_manifest(self, pub: Publication, now: float) -> None:
+    def _move_manifest(self, pub: Publication, now: float) -> bool:
         """A stall: the manifest subscription delivered no version either, so follow the
-        manifest on another session if there is one (held Objects wait for its versions)."""
+        manifest on another session if there is one (held Objects wait for its versions);
+        whether it moved."""
         req = pub.manifest_req
-        if pub.state is not PubState.ACCEPTED or req is None:
-            return
-        others = [s.index for s in self._usable_sessions(pub) if s.index != req.session]
+        latest = pub.versions.latest
+        if pub.state is not PubState.ACCEPTED or latest is None or latest.complete:
+            return False
+        others = [
+            s.index for s in self._usable_sessions(pub) if req is None or s.index != req.session
+        ]
         if not others:
-            return
-        self._forget(req.session, req.request_id, now, cancel=True)
-        pub.manifest_req = None
-        pub.manifest_tried.add(req.session)
+            return False
+        if req is not None:
+            self._forget(req.session, req.request_id, now, cancel=True)
+            pub.manifest_req = None
+            pub.manifest_tried.add(req.session)
         if pub.manifest_tried.issuperset(others):  # each was tried once: try them again
             pub.manifest_tried.difference_update(others)
         self._retry_pending_manifests(now)
+        return pub.manifest_req is not None
 
     def _on_recovery_timeout(self, now: float) -> None:
         table = self._table

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 
 from adapters.cachefile import CacheFile, CacheFileError, same_bits, save
 from adapters.numpy_kv import KvDestination, layer_sections
-from kvcs_core.kvcs.consumer import ConsumerConfig, RetrievalComplete
+from kvcs_core.kvcs.consumer import ConsumerConfig, ObjectDiscarded, RetrievalComplete
 from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
 from kvcs_core.kvcs.publisher import ManifestSigner
 from kvcs_core.relay.config import RelayConfig
@@ -324,16 +324,21 @@ async def follow(
     """Wait for the retrieval's end, with progress; the figures of the report."""
     bar = Progress("fetching", layers, enabled=None if not args.json else False)
     first: float | None = None
+    seen = 0
     try:
         async for _layer in retrieval:
             if first is None:
                 first = time.monotonic() - t0
             bar.update(len(retrieval.ready))
+            seen = _warn_discarded(retrieval, seen, args)
         result: RetrievalComplete | None = await retrieval.result(
             timeout=args.fetch_timeout, strict=False
         )
     except TimeoutError:
         result = None
+    _warn_discarded(retrieval, seen, args)
+    for e in retrieval.events:
+        log.debug("consumer event: %s", e)
     total = time.monotonic() - t0
     return {
         "result": result,
@@ -343,6 +348,29 @@ async def follow(
         "discarded": sum(1 for e in retrieval.events if type(e).__name__ == "ObjectDiscarded"),
         "recompute": [e.blocks for e in retrieval.recompute],
     }
+
+
+_MAX_DISCARD_WARNINGS = 20
+
+
+def _warn_discarded(retrieval: CacheRetrieval, seen: int, args: argparse.Namespace) -> int:
+    """A warning on stderr for each Object discarded since event ``seen`` (at most 20 in
+    all); returns how many events were looked at."""
+    events = retrieval.events
+    sources = [args.url, *args.also]
+    warned = sum(1 for e in events[:seen] if isinstance(e, ObjectDiscarded))
+    for e in events[seen:]:
+        if isinstance(e, ObjectDiscarded):
+            warned += 1
+            if warned > _MAX_DISCARD_WARNINGS:
+                continue
+            why = e.reason.name + (f"/{e.check.name}" if e.check is not None else "")
+            where = sources[e.session] if e.session < len(sources) else f"session {e.session}"
+            log.warning(
+                "discarded %s layer %d block %d from %s: %s: %s",
+                e.track, e.layer, e.block, where, why, e.detail,
+            )  # fmt: skip
+    return len(events)
 
 
 def finish_fetch(
