@@ -5,7 +5,8 @@ on 127.0.0.1 with every role in its own process (helpers of ``test_cli_processes
   no ``--kid`` each get their own one-line error (not "no publication was found");
 * a 100-token prompt is published as 96 tokens with a warning and the count reported;
 * a retrieval that cannot finish lists the layers and blocks to recompute, and its JSON
-  reports the bytes actually received and verified.
+  reports the bytes actually received and verified;
+* ``kvcs demo --json`` prints JSON lines only, with the snake_case keys of every command.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from test_cli_processes import (
     START_TIMEOUT,
     Procs,
     json_lines,
+    kvcs,
     one_error_line,
     procs,  # noqa: F401  (the fixture)
     read_line,
@@ -122,3 +124,18 @@ def test_an_unfinished_retrieval_lists_what_to_recompute(procs: Procs) -> None: 
     assert done["layers_ready"] == 1, done
     assert done["bytes"] == 2 * 1 * 4 * SECTION, done  # K and V of layer 0's 4 blocks
     assert "recompute layers 1-5 of blocks 0-3" in line, line
+
+
+def test_demo_json_is_json_lines_only_with_snake_case_keys() -> None:
+    r = kvcs("demo", "--tokens", "64", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines]  # every stdout line is JSON
+    consumers = [row for row in rows if row["event"] == "consumer"]
+    assert sorted(row["consumer"] for row in consumers) == ["late", "live", "mid", "partial"]
+    assert [row["event"] for row in rows].count("summary") == 1
+    for row in rows:
+        for key in row:
+            assert key == key.lower() and " " not in key, key  # snake_case, as fetch's
+    assert all("mb_per_s" in row for row in consumers)
+    assert "kvcs demo: relay at" in r.stderr  # the text went to stderr
