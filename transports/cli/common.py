@@ -148,7 +148,8 @@ def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
             "--producer-key",
             type=Path,
             metavar="PEM",
-            help="trusted producer public key: require a signed manifest",
+            help="trusted producer public key: require a signed manifest, and use an object "
+            "only once a version of it lists the object's digest",
         )
     k.add_argument(
         "--kid",
