@@ -123,7 +123,7 @@ def test_an_unfinished_retrieval_lists_what_to_recompute(procs: Procs) -> None: 
     assert done["recompute_blocks"] == [0, 1, 2, 3], done
     assert done["layers_ready"] == 1, done
     assert done["bytes"] == 2 * 1 * 4 * SECTION, done  # K and V of layer 0's 4 blocks
-    assert "recompute layers 1-5 of blocks 0-3" in line, line
+    assert "recompute layers 1-5 of blocks 0-3 (8 of 48 objects verified" in line, line
 
 
 def test_demo_json_is_json_lines_only_with_snake_case_keys() -> None:

@@ -380,6 +380,7 @@ async def follow(
         "discarded": sum(1 for e in retrieval.events if isinstance(e, ObjectDiscarded)),
         "recompute": list(retrieval.recompute),
         "rejected": [e for e in retrieval.events if isinstance(e, PublicationRejected)],
+        "verified": consumer.verified_objects,
         "verified_bytes": consumer.verified_objects * consumer.data_length,
         "missing": consumer.missing_objects,
         "stall_timeout": args.stall_timeout,
@@ -457,11 +458,12 @@ def finish_fetch(
     if blocks == 0:
         return fail_line(why_not_found(args, outcome["rejected"]), Exit.FAILED)
     if not complete:
+        needed = 2 * cd.layers * blocks
         return fail_line(
             f"objects are missing: recompute layers {_spans(recompute_layers)} of blocks "
-            f"{_spans(recompute_blocks)} (no source delivered them within "
-            f"--stall-timeout {args.stall_timeout:g} s and --recovery-time "
-            f"{args.recovery_time:g} s)",
+            f"{_spans(recompute_blocks)} ({outcome['verified']} of {needed} objects verified; "
+            f"the sources stopped delivering the rest, and none had them within "
+            f"--recovery-time {args.recovery_time:g} s)",
             Exit.FAILED,
         )
     if identical is False:
