@@ -99,6 +99,7 @@ class Fixture:
         corrupt: Sequence[tuple[Component, int, int]] = (),
         forge: Sequence[tuple[Component, int, int]] = (),
         misfit: str = "",
+        list_digests: bool = True,
     ) -> None:
         self.cd = CompatibilityDescriptor(CD)
         self.keys = block_keys(SCOPE_KEY, self.cd, tokens)[:blocks]
@@ -111,6 +112,7 @@ class Fixture:
         self.corrupt = set(corrupt)
         self.forge = set(forge)
         self.misfit = misfit
+        self.list_digests = list_digests
         """A manifest wrong in one way: tamper, compat, block-keys or tracks."""
         self.tracks = ("k.raw.s0", "v.raw.s0")
         name = MANIFEST_COSE_TRACK if signed else MANIFEST_TRACK
@@ -182,7 +184,9 @@ class Fixture:
             block_keys_sha256=keys_hex,
             tracks=tracks,
             complete=self.produced == L,
-            object_digests=None if self.misfit == "tracks" else dict(self.digests),
+            object_digests=(
+                None if self.misfit == "tracks" or not self.list_digests else dict(self.digests)
+            ),
         )
         compat = dict(CD, model="test/other@1") if self.misfit == "compat" else CD
         return Manifest(
@@ -572,10 +576,15 @@ def test_forged_object_is_discarded_and_recovered_from_another_relay() -> None:
     assert_all_data(c, good)
 
 
-@pytest.mark.parametrize("hold", [False, True])
-def test_digest_listed_after_verification_is_checked_then(hold: bool) -> None:
+@pytest.mark.parametrize("how", ["authenticated", "hold-unauthenticated", "unauthenticated"])
+def test_digest_listed_after_verification_is_checked_then(how: str) -> None:
     """Live: a relay's forged Object verifies on its own; the next manifest version lists
-    the producer's digest, the Object is discarded and recovered from the other relay."""
+    the producer's digest, the Object is discarded and recovered from the other relay.
+
+    With a producer key required (the default of ``consumer()``) the Objects are held
+    until a verified version lists them, whatever ``hold_until_listed`` says: the
+    forgery is never reported usable (issue 10 finding 4)."""
+    hold = how != "unauthenticated"
     pair = Pair()
     bad = Fixture(forge=[(Component.V, 1, 2)]).serve(pair)
     other = join(pair)
@@ -583,7 +592,14 @@ def test_digest_listed_after_verification_is_checked_then(hold: bool) -> None:
     both = (bad, good)
     for fx in both:
         fx.produce_layer(pair.now)
-    c = consumer(config=ConsumerConfig(hold_until_listed=hold))
+    if how == "authenticated":
+        c = consumer(require_authenticity=True, config=ConsumerConfig(hold_until_listed=False))
+    else:
+        c = consumer(
+            producer_keys=None,
+            require_authenticity=False,
+            config=ConsumerConfig(hold_until_listed=hold),
+        )
     h = Harness(c, pair, other)
     h.drive(lambda: c.manifest is not None and len(other.events(other.cli, ev.NamespaceAnnounced)))
     for _ in range(1, L):
@@ -609,6 +625,32 @@ def test_digest_listed_after_verification_is_checked_then(hold: bool) -> None:
         for t, e in h.events:
             if isinstance(e, LayerReady):
                 assert any(v >= e.layer + 1 and ta <= t for ta, v in accepted)
+
+
+@pytest.mark.parametrize("authenticated", [True, False])
+def test_a_signed_manifest_that_lists_no_digests_authenticates_no_object(
+    authenticated: bool,
+) -> None:
+    """A complete segment whose verified manifest lists no ``object_digests``: with a
+    producer key, no Object can be shown to be the producer's, so none is usable
+    (NOT_LISTED, then recompute); without one, the Data Digests are all there is."""
+    pair = Pair()
+    fx = Fixture(list_digests=False).produce_all().serve(pair)
+    if authenticated:
+        c = consumer(recovery_time_bound=0.5)
+    else:
+        c = consumer(producer_keys=None, require_authenticity=False, recovery_time_bound=0.5)
+    h = Harness(c, pair)
+    done = h.finish()
+    if not authenticated:
+        assert done.complete and not h.of(ObjectDiscarded)
+        assert_all_data(c, fx)
+        return
+    assert not done.complete and not h.of(LayerReady)
+    reasons = {e.reason for e in h.of(ObjectDiscarded)}
+    assert reasons == {DiscardReason.NOT_LISTED}
+    need = h.of(RecomputeNeeded)
+    assert len(need) == 1 and need[0].layers == tuple(range(L))
 
 
 def test_live_subscription_after_production_completes_with_the_fill() -> None:

@@ -51,6 +51,7 @@ from kvcs_core.kvcs.consumer import (
 )
 from kvcs_core.kvcs.cose import sign_manifest
 from kvcs_core.kvcs.payload import ObjectRejectReason
+from kvcs_core.kvcs.publisher import MAX_MANIFEST_INTERVAL
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.wire import params as p
@@ -132,7 +133,11 @@ def test_three_consumers_before_during_and_after_production() -> None:
         t0 = client.at(LayerReady)[0]
         assert client.of(LayerReady)[0].layer == 0
         assert t0 < produced[-1], (t0, produced[-1])
-    assert early.at(LayerReady)[0] < produced[1] + LAYER_PERIOD
+    # the cost of producer authenticity (issue 10 finding 4): a layer is usable once a
+    # verified manifest version lists its digests, and the publisher lists them every
+    # 8 completed layers (profile 3.6), so layer 0 waits for layer 7's version
+    interval = MAX_MANIFEST_INTERVAL
+    assert produced[interval - 1] <= early.at(LayerReady)[0] < produced[interval - 1] + LAYER_PERIOD
     # the early consumer got each layer about as it was produced, in order
     assert [e.layer for e in early.of(LayerReady)] == list(range(BIG_LAYERS))
     order = event_order(early)
@@ -439,7 +444,8 @@ def test_a_silently_dead_session_is_left_for_another_after_a_stall() -> None:
     even though the dead one had delivered part of the cache (profile 5.4 recovery)."""
     cache = small_cache()
     tokens = prompt(SMALL_TOKENS)
-    pub = cache.publisher(tokens, PUB_A)
+    # a version per layer: signed layers are usable once listed (issue 10 finding 4)
+    pub = cache.publisher(tokens, PUB_A, manifest_interval=1)
     world = World()
     conn_a = world.connect(pub)
     conn_b = world.connect(pub, latency=0.02)

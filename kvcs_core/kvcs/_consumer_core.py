@@ -19,7 +19,7 @@ needed Objects are every (component, layer, block) with the selected components
 ``bytearray`` per component and layer, so a range is scanned with C-level
 ``find``/``count``)::
 
-    WANTED --verified--> READY (or HELD until a manifest lists its digest)
+    WANTED --verified--> READY (or HELD until a verified manifest lists its digest)
       |  \\                 |
       |   request failed /  | a later manifest lists another digest
       v   Object refused    v
@@ -379,6 +379,9 @@ class ConsumerCore:
         self._reqs: dict[tuple[int, int], AnyRequest] = {}
         self._active: list[list[DataRequest]] = [[] for _ in self.components]
         self._tried: dict[tuple[bytes, int, int], set[int]] = {}
+        self._untrusted: dict[tuple[bytes, int, int], set[int]] = {}
+        """(publication, segment, component) -> sessions that delivered an Object of it that
+        failed verification: never asked for it again (they would serve the same)."""
         self._pins: list[tuple[int, int, bytes]] = []
         """(first block, end block, publication) of every segment that supplied data."""
         self._table: ObjectTable | None = None
@@ -391,6 +394,8 @@ class ConsumerCore:
         self._disc_deadline: float | None = None
         self._recovery_deadline: float | None = None
         self._last_progress = 0.0
+        self._last_stall: float | None = None
+        """When the last stall fired (``_last_progress`` still equals it: nothing since)."""
         self.excess_objects = 0
         """Objects received that were not needed (outside the ranges, or duplicates)."""
 
@@ -420,6 +425,17 @@ class ConsumerCore:
             if not slot.closed and not slot.session.is_closed:
                 with contextlib.suppress(LocalProtocolError):  # finished on its side
                     slot.session.cancel(request_id, now=now)
+
+    def _hold(self, pub: Publication) -> bool:
+        """Whether Objects of ``pub`` wait (HELD) until a manifest version lists their digest:
+        always for a publication whose manifest a producer key verified (the Data Digest
+        alone does not show that the producer made the Data), else as configured."""
+        return pub.authenticated or self.config.hold_until_listed
+
+    def _distrust(self, key: tuple[bytes, int, int], session: int) -> None:
+        """``session`` delivered a refused Object of ``key``'s track: never ask it again."""
+        self._tried.setdefault(key, set()).add(session)
+        self._untrusted.setdefault(key, set()).add(session)
 
     def _usable_sessions(self, pub: Publication) -> Iterator[SessionSlot]:
         indices = range(len(self._sessions)) if pub.any_session else pub.sessions
@@ -480,6 +496,9 @@ class ConsumerCore:
         raise NotImplementedError
 
     def _probe_alternative(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _retry_pending_manifests(self, now: float) -> None:
         raise NotImplementedError
 
     def _finish(self, now: float, *, complete: bool) -> None:

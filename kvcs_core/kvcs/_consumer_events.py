@@ -18,8 +18,8 @@ and, for bad data and failures ("Errors, three tiers": KVCS-level bad data is
 discarded and reported with a reason, nothing else is lost):
 
 * :class:`ObjectDiscarded`: an Object failed a check of profile 3.5 (or a later
-  manifest version lists another digest for it); it is never used and is
-  treated as missing;
+  manifest version lists another digest for it, or a signed manifest never lists
+  it); it is never used and is treated as missing;
 * :class:`PublicationRejected` / :class:`ManifestDiscarded`: a publication whose
   first manifest could not be accepted, or a later manifest version that was
   refused while the publication stays in use;
@@ -76,6 +76,9 @@ class DiscardReason(enum.IntEnum):
     """Data Length is not what the track's codec gives for the descriptor (binding 5, 6)."""
     LISTED_DIGEST_MISMATCH = 3
     """A manifest version published after the Object was verified lists another digest."""
+    NOT_LISTED = 4
+    """The publication's manifest is signed (authenticated) and marks the Object's segment
+    complete without listing its digest: the Object cannot be shown to be the producer's."""
 
 
 class ManifestRejectReason(enum.IntEnum):
@@ -128,10 +131,16 @@ class ConsumerConfig:
     retrieval: RetrievalMode = RetrievalMode.AUTO
     """SUBSCRIBE or FETCH (profile 5.2 / 5.3)."""
     hold_until_listed: bool = False
-    """Count an Object as usable only once a manifest version lists its digest (or the
-    complete segment lists none). Off by default: the Data Digest already protects
-    integrity and profile 3.6 lists digests only every few layers, which would delay
-    LayerReady; on, it gives producer authenticity for every Object."""
+    """Count an Object of an *unauthenticated* publication as usable only once a manifest
+    version lists its digest (or the complete segment lists none). For a publication
+    whose manifest a producer key verified (``require_authenticity``, or producer keys
+    given and ``manifest.cose`` verified) this is always on, whatever is set here: an
+    Object is usable only once a verified manifest version lists its Data Digest, so a
+    relay that rewrites an Object together with its Data Digest is caught; one that the
+    complete segment does not list is refused (``DiscardReason.NOT_LISTED``). The cost
+    is latency: profile 3.6 lists digests only every few layers (a version at least
+    every 8 completed layers and at completion), so during production LayerReady waits
+    for the next version that lists the layer."""
     max_publications: int = 64
     """Publications tracked at once; further NAMESPACE announcements are ignored."""
     max_objects: int = 1 << 22
@@ -237,7 +246,8 @@ class ObjectDiscarded:
 
 @attrs.frozen(kw_only=True)
 class LayerReady:
-    """Every needed Object of ``layer`` in every selected track is verified (profile 5.4)."""
+    """Every needed Object of ``layer`` in every selected track is verified (profile 5.4);
+    for an authenticated publication, each against a digest a verified manifest lists."""
 
     layer: int
 

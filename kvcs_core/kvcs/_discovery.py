@@ -181,6 +181,8 @@ class DiscoveryMixin(ConsumerCore):
         if self._phase is Phase.DISCOVERING:
             self._select_primary(now)
         elif self._phase is Phase.RETRIEVING:
+            if pub.state is PubState.ACCEPTED and pub.manifest_req is None:
+                self._resubscribe_manifest(pub, now)  # a new session to follow it on
             self._reconcile(now)
 
     def _add_known(self, kns: KvcsNamespace, blocks: int, now: float) -> None:
@@ -382,6 +384,9 @@ class DiscoveryMixin(ConsumerCore):
                 if pub.state is PubState.MANIFEST_PENDING:
                     pub.manifest_tried.add(slot.index)
                     self._request_manifest(pub, now)
+                elif pub.state is PubState.ACCEPTED:  # ended before the manifest is complete:
+                    pub.manifest_tried.add(slot.index)  # follow it elsewhere (held Objects)
+                    self._resubscribe_manifest(pub, now)
 
     def _on_manifest_object(
         self, pub: Publication, req: ManifestRequest, event: ev.ObjectReceived, now: float

@@ -7,16 +7,24 @@ digests of the layers completed so far, so an Object may be verified before
 its digest is listed (its own Data Digest is checked at once). Such Objects are
 remembered; each later version of their publication is compared with them: a
 listed digest that differs makes the Object missing again
-(:class:`ObjectDiscarded` ``LISTED_DIGEST_MISMATCH``) and the request that
-delivered it no longer covers it, so recovery starts at once. With
-``hold_until_listed`` such Objects are not usable (HELD) until listed, or until
-the manifest marks their segment complete without digests.
+(:class:`ObjectDiscarded` ``LISTED_DIGEST_MISMATCH``), the request that
+delivered it no longer covers it and its session is never asked for that track
+again, so recovery starts at once from another source. Objects of a publication
+whose manifest a producer key verified are not usable (HELD) until a version
+lists their digest, so a relay's self-consistent forgery (Data and Data Digest
+both rewritten) is never reported usable; if the segment becomes complete
+without listing it, it is refused (``NOT_LISTED``). With ``hold_until_listed``
+the Objects of an unauthenticated publication are HELD too, and released when
+the segment is complete without digests.
 
 *Time bounds* (profile 5.4 "It does not wait indefinitely"). Two clocks:
 
-* stall: when data requests are open and nothing was verified (and no manifest
-  version accepted) for ``stall_timeout``, every open data request is failed
-  and cancelled, HELD Objects become missing, and recovery starts;
+* stall: when data requests are open (or Objects HELD) and nothing was verified
+  (and no manifest version accepted) for ``stall_timeout``, every open data
+  request is failed and cancelled, the manifest subscription moves to another
+  session if there is one (HELD Objects then wait one more ``stall_timeout`` for
+  its versions; otherwise, or on a second stall in a row, they become missing),
+  and recovery starts;
 * recovery: from the first missing Object on, ``recovery_time_bound`` runs; each
   recovered Object restarts it, so recovery that makes progress continues, and
   recovery that does not is bounded. When it passes, every missing Object is
@@ -29,7 +37,7 @@ manifest and namespace subscriptions) is cancelled.
 
 from __future__ import annotations
 
-from kvcs_core.kvcs._consumer_core import ConsumerCore, ObjState, Phase, Publication
+from kvcs_core.kvcs._consumer_core import ConsumerCore, ObjState, Phase, Publication, PubState
 from kvcs_core.kvcs._consumer_events import (
     DiscardReason,
     LayerReady,
@@ -57,22 +65,30 @@ class RecoveryMixin(ConsumerCore):
                 continue
             groups = seg.completed_groups(track)
             listed_now = groups is not None and layer < groups
-            if not listed_now and not (seg.complete and seg.object_digests is None):
+            if not listed_now and not seg.complete:
                 continue
             for oid, (ci, block, digest, session) in self._unlisted.pop(key).items():
                 state = table.get(ci, layer, block)
                 if state not in (ObjState.HELD, ObjState.READY):
                     continue
-                listed = manifest.digest_of(track, layer, oid) if listed_now else digest
-                if listed == digest:
+                listed = manifest.digest_of(track, layer, oid) if listed_now else None
+                if listed == digest or (listed is None and not pub.authenticated):
                     if state is ObjState.HELD and table.set(ci, layer, block, ObjState.READY):
                         self._emit(LayerReady(layer=layer))
                     continue
+                version = pub.versions.latest_group
+                reason, detail = (
+                    (DiscardReason.LISTED_DIGEST_MISMATCH, f"manifest version {version} lists "
+                     f"another digest (Data Digest {digest.hex()[:16]}...)")
+                    if listed is not None
+                    else (DiscardReason.NOT_LISTED, f"manifest version {version} marks the "
+                          "segment complete without listing its digest")
+                )  # fmt: skip
                 self._emit(
                     ObjectDiscarded(
-                        reason=DiscardReason.LISTED_DIGEST_MISMATCH,
+                        reason=reason,
                         check=None,
-                        detail=f"manifest version {pub.versions.latest_group} lists another digest",
+                        detail=detail,
                         publication_id=pub.id,
                         track=track,
                         layer=layer,
@@ -82,6 +98,7 @@ class RecoveryMixin(ConsumerCore):
                 )
                 self._views.pop((ci, layer, block), None)
                 table.set(ci, layer, block, ObjState.GAP)
+                self._distrust((pub.id, seg.segment, ci), session)  # it served this: never again
                 for req in self._active[ci]:  # what it delivered was wrong: not covered now
                     if req.pub is pub and req.track == track and req.covers(layer, block):
                         req.fail(layer, block)
@@ -113,11 +130,38 @@ class RecoveryMixin(ConsumerCore):
                 if sum(1 for _ in self._usable_sessions(req.pub)) > 1:
                     req.no_retry = True
                 self._end_request(req, now, cancel=True, forget=True)
+        moved = [pub.id for pub in list(self._pubs.values()) if self._move_manifest(pub, now)]
+        again = self._last_stall is not None and self._last_stall == self._last_progress
         for ci, layer, b in list(table.each(ObjState.HELD)):
-            self._views.pop((ci, layer, b), None)
-            table.set(ci, layer, b, ObjState.GAP)
-        self._last_progress = now
+            # a HELD Object waits for the manifest; it gets one more chance when the
+            # manifest subscription moved, unless this stall follows one without progress
+            if again or not moved:
+                self._views.pop((ci, layer, b), None)
+                table.set(ci, layer, b, ObjState.GAP)
+        self._last_progress = self._last_stall = now
         self._reconcile(now)
+
+    def _move_manifest(self, pub: Publication, now: float) -> bool:
+        """A stall: the manifest subscription delivered no version either, so follow the
+        manifest on another session if there is one (held Objects wait for its versions);
+        whether it moved."""
+        req = pub.manifest_req
+        latest = pub.versions.latest
+        if pub.state is not PubState.ACCEPTED or latest is None or latest.complete:
+            return False
+        others = [
+            s.index for s in self._usable_sessions(pub) if req is None or s.index != req.session
+        ]
+        if not others:
+            return False
+        if req is not None:
+            self._forget(req.session, req.request_id, now, cancel=True)
+            pub.manifest_req = None
+            pub.manifest_tried.add(req.session)
+        if pub.manifest_tried.issuperset(others):  # each was tried once: try them again
+            pub.manifest_tried.difference_update(others)
+        self._retry_pending_manifests(now)
+        return pub.manifest_req is not None
 
     def _on_recovery_timeout(self, now: float) -> None:
         table = self._table

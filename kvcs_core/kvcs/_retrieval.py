@@ -58,6 +58,7 @@ from kvcs_core.kvcs._consumer_core import (
     SessionSlot,
 )
 from kvcs_core.kvcs._consumer_events import (
+    DiscardReason,
     LayerReady,
     ObjectDiscarded,
     RetrievalMode,
@@ -247,7 +248,7 @@ class RetrievalMixin(ConsumerCore):
 
     def _pick_session(self, pub: Publication, segment: int, ci: int) -> SessionSlot | None:
         key = (pub.id, segment, ci)
-        tried = self._tried.get(key, set())
+        tried = self._tried.get(key, set()) | self._untrusted.get(key, set())
         busy = {r.session for r in self._active[ci] if r.key == key}
         for slot in self._usable_sessions(pub):
             if slot.index not in tried and slot.index not in busy:
@@ -499,6 +500,16 @@ class RetrievalMixin(ConsumerCore):
         if isinstance(verdict, ObjectVerdict):
             self._on_refused(slot, req, verdict, layer, oid, block, now)
             return
+        if listed is None and req.pub.authenticated and manifest.segments[req.segment].complete:
+            # a signed manifest that will never list this Object's digest: it cannot be shown
+            # to be the producer's (a relay may have rewritten it and its Data Digest)
+            unlisted = ObjectVerdict(
+                DiscardReason.NOT_LISTED,
+                None,
+                "the verified manifest marks the segment complete without listing its digest",
+            )
+            self._on_refused(slot, req, unlisted, layer, oid, block, now)
+            return
         # verified: the one copy, straight from the payload into the destination
         data, digest = verdict
         if self.destinations is not None:
@@ -514,9 +525,8 @@ class RetrievalMixin(ConsumerCore):
             req.pinned = True
         held = False
         if listed is None:
-            seg = manifest.segments[req.segment]
-            final = seg.complete and seg.object_digests is None
-            held = self.config.hold_until_listed and not final
+            final = manifest.segments[req.segment].complete  # its digests will never be listed
+            held = self._hold(req.pub) and not final
             if not final:
                 entries = self._unlisted.setdefault((req.pub.id, req.track, layer), {})
                 entries[oid] = (req.ci, block, digest, slot.index)
@@ -560,7 +570,7 @@ class RetrievalMixin(ConsumerCore):
         )
         self._fail_object(req, layer, block)
         req.no_retry = True
-        self._tried.setdefault(req.key, set()).add(req.session)
+        self._distrust(req.key, req.session)
         if self._may_recover(req):
             self._reconcile(now)
         elif self._recovery_deadline is None:

@@ -239,6 +239,13 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
             return 0
         return table.count(ObjState.WANTED) + table.count(ObjState.GAP)
 
+    @property
+    def verified_objects(self) -> int:
+        """Needed Objects verified and usable (READY); times ``data_length``: the octets of
+        verified Data received."""
+        table = self._table
+        return 0 if table is None else table.count(ObjState.READY)
+
     def layer_ready(self, layer: int) -> bool:
         """Whether every needed Object of ``layer`` is verified."""
         return self._table is not None and self._table.layer_ready(layer)

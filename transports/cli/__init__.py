@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
+from adapters.cachefile import file_kind
 from kvcs_core.wire.codes import ALPN
 
 from . import commands, demo
@@ -44,6 +45,7 @@ from .common import (
     add_cache_options,
     add_client_tls_options,
     add_transport_options,
+    fail,
     quiet_broken_pipe,
     run,
 )
@@ -235,8 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with quiet_broken_pipe():
             if args.command == "selfcheck":
-                if args.vectors is not None and not args.vectors.is_file():
-                    parser.error(f"--vectors: no such file: {args.vectors}")
+                if args.vectors is not None and (kind := file_kind(args.vectors)) is not None:
+                    return fail(f"--vectors: {args.vectors}: {kind}", Exit.FILE)
                 return selfcheck(args.vectors, builtin_only=args.builtin_only)
             job = {
                 "relay": commands.relay,

@@ -23,11 +23,17 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives import serialization
 
-from adapters.cachefile import CacheFile, CacheFileError, same_bits, save
+from adapters.cachefile import CacheFile, CacheFileError, check_out_path, same_bits, save
 from adapters.numpy_kv import KvDestination, layer_sections
-from kvcs_core.kvcs.consumer import ConsumerConfig, RetrievalComplete
+from kvcs_core.kvcs.consumer import (
+    ConsumerConfig,
+    ManifestRejectReason,
+    ObjectDiscarded,
+    PublicationRejected,
+    RetrievalComplete,
+)
 from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
-from kvcs_core.kvcs.publisher import ManifestSigner
+from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.wire.names import TrackNamespace
 from transports.quic.api import CacheRetrieval
@@ -35,13 +41,16 @@ from transports.quic.config import parse_hostport
 from transports.quic.tls import TlsConfig, self_signed
 
 from .common import (
+    DEFAULT_KID,
     CliError,
     Exit,
     Progress,
     cache_source,
     client_tls,
     format_namespace,
+    full_blocks,
     json_line,
+    kid,
     parse_namespace,
     read_file,
     scope_key,
@@ -185,7 +194,7 @@ def load_signer(args: argparse.Namespace) -> ManifestSigner | None:
     raw = read_file(args.sign_key)
     try:
         key = serialization.load_pem_private_key(raw, password=None)
-        return ManifestSigner(key, args.kid.encode())  # type: ignore[arg-type]
+        return ManifestSigner(key, kid(args).encode())  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:
         raise CliError(f"{args.sign_key}: not a usable private key ({exc})", Exit.FILE) from None
 
@@ -202,15 +211,25 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         except ValueError:
             raise CliError("--publication-id: not hex", Exit.USAGE) from None
     cd = cache.cd
-    async with _connect(b, args) as client:
-        pub = await client.publish_cache(
-            cache.descriptor,
-            key,
-            cache.tokens,
-            publication_id=pub_id,
-            signer=signer,
-            deterministic=args.deterministic,
+    if len(cache.tokens) < cd.block_tokens:
+        raise CliError(
+            f"the prompt has {len(cache.tokens)} tokens, fewer than one block of "
+            f"{cd.block_tokens}: nothing to publish",
+            Exit.USAGE,
         )
+    published = full_blocks(len(cache.tokens), cd.block_tokens, "publish")
+    async with _connect(b, args) as client:
+        try:
+            pub = await client.publish_cache(
+                cache.descriptor,
+                key,
+                cache.tokens,
+                publication_id=pub_id,
+                signer=signer,
+                deterministic=args.deterministic,
+            )
+        except PublisherError as exc:
+            raise CliError(f"cannot publish: {exc}", Exit.USAGE) from None
         blocks = len(pub.publisher.block_keys)
         ns = pub.publisher.namespace
         report(
@@ -219,6 +238,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
             namespace=format_namespace(ns),
             layers=cd.layers,
             blocks=blocks,
+            tokens=published,
         )
         bar = Progress("publishing", cd.layers, enabled=None if not args.json else False)
         t0 = time.monotonic()
@@ -237,6 +257,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
             namespace=format_namespace(ns),
             layers=cd.layers,
             blocks=blocks,
+            tokens=published,
             bytes=nbytes,
             seconds=round(time.monotonic() - t0, 3),
             sent=client.pump.bytes_pulled,
@@ -281,7 +302,7 @@ def load_producer_keys(args: argparse.Namespace) -> dict[bytes, Any] | None:
         key = serialization.load_pem_public_key(raw)
     except ValueError as exc:
         raise CliError(f"{args.producer_key}: not a public key ({exc})", Exit.FILE) from None
-    return {args.kid.encode(): key}
+    return {kid(args).encode(): key}
 
 
 async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
@@ -290,9 +311,19 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
     key = scope_key(args)
     keys = load_producer_keys(args)
     cd = source.cd
-    usable = (len(tokens) // cd.block_tokens) * cd.block_tokens
-    if usable == 0:
-        raise CliError("the prompt has no full block", Exit.USAGE)
+    if args.out is not None:  # before any transfer: a name we would not write exactly, or
+        try:  # a place that cannot be written
+            check_out_path(args.out)
+        except CacheFileError as exc:  # (a ValueError too: first)
+            raise CliError(f"--out: {exc}", Exit.FILE) from None
+        except ValueError as exc:
+            raise CliError(f"--out: {exc}", Exit.USAGE) from None
+    if len(tokens) < cd.block_tokens:
+        raise CliError(
+            f"the prompt has {len(tokens)} tokens, fewer than one block of {cd.block_tokens}",
+            Exit.USAGE,
+        )
+    usable = full_blocks(len(tokens), cd.block_tokens, "fetch")
     dest = KvDestination(cd, usable)
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(_connect(b, args))
@@ -324,25 +355,59 @@ async def follow(
     """Wait for the retrieval's end, with progress; the figures of the report."""
     bar = Progress("fetching", layers, enabled=None if not args.json else False)
     first: float | None = None
+    seen = 0
     try:
         async for _layer in retrieval:
             if first is None:
                 first = time.monotonic() - t0
             bar.update(len(retrieval.ready))
+            seen = _warn_discarded(retrieval, seen, args)
         result: RetrievalComplete | None = await retrieval.result(
             timeout=args.fetch_timeout, strict=False
         )
     except TimeoutError:
         result = None
+    _warn_discarded(retrieval, seen, args)
+    for e in retrieval.events:
+        log.debug("consumer event: %s", e)
     total = time.monotonic() - t0
+    consumer = retrieval.consumer
     return {
         "result": result,
         "first": first,
         "total": total,
         "ready": list(retrieval.ready),
-        "discarded": sum(1 for e in retrieval.events if type(e).__name__ == "ObjectDiscarded"),
-        "recompute": [e.blocks for e in retrieval.recompute],
+        "discarded": sum(1 for e in retrieval.events if isinstance(e, ObjectDiscarded)),
+        "recompute": list(retrieval.recompute),
+        "rejected": [e for e in retrieval.events if isinstance(e, PublicationRejected)],
+        "verified": consumer.verified_objects,
+        "verified_bytes": consumer.verified_objects * consumer.data_length,
+        "missing": consumer.missing_objects,
+        "stall_timeout": args.stall_timeout,
     }
+
+
+_MAX_DISCARD_WARNINGS = 20
+
+
+def _warn_discarded(retrieval: CacheRetrieval, seen: int, args: argparse.Namespace) -> int:
+    """A warning on stderr for each Object discarded since event ``seen`` (at most 20 in
+    all); returns how many events were looked at."""
+    events = retrieval.events
+    sources = [args.url, *args.also]
+    warned = sum(1 for e in events[:seen] if isinstance(e, ObjectDiscarded))
+    for e in events[seen:]:
+        if isinstance(e, ObjectDiscarded):
+            warned += 1
+            if warned > _MAX_DISCARD_WARNINGS:
+                continue
+            why = e.reason.name + (f"/{e.check.name}" if e.check is not None else "")
+            where = sources[e.session] if e.session < len(sources) else f"session {e.session}"
+            log.warning(
+                "discarded %s layer %d block %d from %s: %s: %s",
+                e.track, e.layer, e.block, where, why, e.detail,
+            )  # fmt: skip
+    return len(events)
 
 
 def finish_fetch(
@@ -352,7 +417,6 @@ def finish_fetch(
     cd = source.cd
     blocks = result.blocks if result is not None else 0
     tokens = blocks * cd.block_tokens
-    nbytes = 2 * cd.layers * blocks * cd.section_size
     complete = bool(result and result.complete and blocks > 0)
     identical: bool | None = None
     if complete and args.verify:
@@ -365,6 +429,9 @@ def finish_fetch(
         except CacheFileError as exc:
             raise CliError(str(exc), Exit.FILE) from None
     total = outcome["total"]
+    nbytes = outcome["verified_bytes"]  # what was received and verified, not what was asked
+    recompute_layers = sorted({x for e in outcome["recompute"] for x in e.layers})
+    recompute_blocks = sorted({x for e in outcome["recompute"] for x in e.blocks})
     report(
         args,
         event="done",
@@ -377,18 +444,91 @@ def finish_fetch(
         seconds=round(total, 3),
         mb_per_s=round(nbytes / total / 1e6, 2) if total else None,
         discarded=outcome["discarded"],
+        recompute_layers=recompute_layers,
+        recompute_blocks=recompute_blocks,
         bit_identical=identical,
         out=str(args.out) if args.out and complete else None,
     )
     if result is None:
-        return fail_line("the retrieval did not finish in time", Exit.FAILED)
+        return fail_line(
+            f"the retrieval did not finish within --fetch-timeout {args.fetch_timeout:g} s "
+            f"({outcome['missing']} objects still missing)",
+            Exit.FAILED,
+        )
     if blocks == 0:
-        return fail_line("no publication of this prompt was found", Exit.FAILED)
+        return fail_line(why_not_found(args, outcome["rejected"]), Exit.FAILED)
     if not complete:
-        return fail_line("objects are missing: recompute the blocks listed", Exit.FAILED)
+        needed = 2 * cd.layers * blocks
+        return fail_line(
+            f"objects are missing: recompute layers {_spans(recompute_layers)} of blocks "
+            f"{_spans(recompute_blocks)} ({outcome['verified']} of {needed} objects verified; "
+            f"the sources stopped delivering the rest, and none had them within "
+            f"--recovery-time {args.recovery_time:g} s)",
+            Exit.FAILED,
+        )
     if identical is False:
         return fail_line("the received cache differs from the source", Exit.FAILED)
     return Exit.OK
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    if not values:
+        return "(none)"
+    out: list[str] = []
+    start = prev = values[0]
+    for x in [*values[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)
+
+
+def why_not_found(args: argparse.Namespace, rejected: list[PublicationRejected]) -> str:
+    """What happened when no publication was used: the refusal, said plainly."""
+    if not rejected:
+        return "no publication of this prompt was found"
+    e = rejected[-1]
+    detail = e.detail
+    if e.reason is ManifestRejectReason.UNSIGNED:
+        return (
+            "a publication was found, but its manifest is not signed and --producer-key "
+            "requires a signed one"
+        )
+    if e.reason is ManifestRejectReason.BAD_SIGNATURE:
+        if detail.startswith(("UNKNOWN_KID", "MISSING_KID")):
+            signed_by = _kid_of(detail)
+            if args.kid is None:
+                return (
+                    f"a publication was found, but its manifest is signed with key ID "
+                    f"{signed_by} and no --kid was given (--producer-key is used as key ID "
+                    f"{DEFAULT_KID!r}); give --kid with the producer's key ID"
+                )
+            return (
+                f"a publication was found, but its manifest is signed with key ID {signed_by}, "
+                f"not --kid {args.kid!r}"
+            )
+        return (
+            f"a publication was found, but the signature of its manifest was refused by "
+            f"--producer-key (key ID {kid(args)!r}): {detail}"
+        )
+    return f"a publication was found, but it was refused: {e.reason.name}: {detail}"
+
+
+def _kid_of(detail: str) -> str:
+    """The key ID named in a COSE refusal (``UNKNOWN_KID: no producer key <hex>``)."""
+    if detail.startswith("MISSING_KID"):
+        return "(none: the signature has no kid)"
+    hexed = detail.rsplit(" ", 1)[-1]
+    try:
+        raw = bytes.fromhex(hexed)
+    except ValueError:
+        return "(unknown)"
+    text = raw.decode("utf-8", "replace")
+    return repr(text) if text.isprintable() else f"0x{hexed}"
 
 
 def fail_line(message: str, status: int) -> int:

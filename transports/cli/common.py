@@ -17,7 +17,14 @@ from typing import Any
 
 import trio
 
-from adapters.cachefile import CacheFile, CacheFileError, llama_descriptor, load, synthetic
+from adapters.cachefile import (
+    CacheFile,
+    CacheFileError,
+    file_kind,
+    llama_descriptor,
+    load,
+    synthetic,
+)
 from kvcs_core.wire.names import TrackNamespace
 from transports.quic import asyncio_binding, trio_binding
 from transports.quic.api import ConnectError
@@ -52,6 +59,9 @@ class CliError(Exception):
         super().__init__(message)
         self.status = status
 
+
+DEFAULT_KID = "producer"
+"""The key ID used with --sign-key / --producer-key when --kid is not given."""
 
 DEFAULT_SCOPE_KEY = bytes(32)
 """The scope key used when none is given: fine for demos, never for real tenants."""
@@ -138,9 +148,14 @@ def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
             "--producer-key",
             type=Path,
             metavar="PEM",
-            help="trusted producer public key: require a signed manifest",
+            help="trusted producer public key: require a signed manifest, and use an object "
+            "only once a version of it lists the object's digest",
         )
-    k.add_argument("--kid", default="producer", help="key ID of the producer key")
+    k.add_argument(
+        "--kid",
+        metavar="ID",
+        help=f"key ID of the producer key (default {DEFAULT_KID!r})",
+    )
 
 
 def scope_key(args: argparse.Namespace) -> bytes:
@@ -183,16 +198,46 @@ def cache_source(args: argparse.Namespace) -> CacheFile:
         raise CliError(f"bad synthetic cache shape: {exc}", Exit.USAGE) from None
 
 
+_MAX_SMALL_FILE = 1 << 20
+"""Keys, certificates and scope-key files are small: more than this is not one."""
+
+
 def read_file(path: Path) -> bytes:
+    """A small file (a key or a PEM): a one-line error (status 5) unless it is a readable
+    regular file of at most 1 MiB; a FIFO or a device is never opened."""
+    kind = file_kind(path)
+    if kind is not None:
+        raise CliError(f"cannot read {path}: {kind}", Exit.FILE)
     try:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(_MAX_SMALL_FILE + 1)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}", Exit.FILE) from None
+    if len(data) > _MAX_SMALL_FILE:
+        raise CliError(f"cannot read {path}: larger than {_MAX_SMALL_FILE} octets", Exit.FILE)
+    return data
+
+
+def kid(args: argparse.Namespace) -> str:
+    return DEFAULT_KID if args.kid is None else str(args.kid)
+
+
+def full_blocks(tokens: int, block_tokens: int, what: str) -> int:
+    """Tokens in full blocks; a warning on stderr for a partial last block (its tokens are
+    not published or fetched: KVSP covers full blocks only)."""
+    usable = tokens // block_tokens * block_tokens
+    if usable != tokens:
+        log.warning(
+            "%s: the last %d of %d tokens do not fill a block of %d and are left out "
+            "(%d tokens in %d blocks)",
+            what, tokens - usable, tokens, block_tokens, usable, usable // block_tokens,
+        )  # fmt: skip
+    return usable
 
 
 def client_tls(args: argparse.Namespace) -> TlsConfig:
-    if args.ca is not None and not args.ca.is_file():
-        raise CliError(f"--ca: no such file: {args.ca}", Exit.FILE)
+    if args.ca is not None and (kind := file_kind(args.ca)) is not None:
+        raise CliError(f"--ca: {args.ca}: {kind}", Exit.FILE)
     return TlsConfig(cafile=str(args.ca) if args.ca else None, verify=not args.insecure)
 
 

@@ -105,14 +105,16 @@ async def demo(b: ModuleType, args: argparse.Namespace) -> int:
     cd = source.cd
     blocks = args.tokens // cd.block_tokens
     mib = 2 * cd.layers * blocks * cd.section_size / 2**20
+    text = sys.stderr if args.json else sys.stdout  # with --json, stdout is JSON lines only
     print(
         f"kvcs demo: a synthetic Llama-shaped cache: {cd.layers} layers x {cd.kv_heads} KV "
         f"heads x {cd.head_dim}, {cd.dtype}, {args.tokens} tokens = {blocks} blocks, "
         f"{mib:.1f} MiB of K+V; {args.stack} on {args.loop}",
+        file=text,
         flush=True,
     )
     async with relay_url(b, args) as url:
-        print(f"kvcs demo: relay at {url}", flush=True)
+        print(f"kvcs demo: relay at {url}", file=text, flush=True)
         return await run_demo(b, args, url, source)
 
 
@@ -319,16 +321,24 @@ def report(
                 "blocks": f"{c.blocks}/{len(c.tokens) // cd.block_tokens}",
                 "first_layer_ms": None if c.first is None else round(c.first * 1e3, 1),
                 "seconds": round(secs, 2),
-                "MB": round(nbytes / 1e6, 1),
-                "MB_per_s": round(nbytes / secs / 1e6, 1) if secs > 0 else None,
+                "mb": round(nbytes / 1e6, 1),
+                "mb_per_s": round(nbytes / secs / 1e6, 1) if secs > 0 else None,
                 "bit_identical": c.identical,
             }
         )
     if args.json:
         for row in rows:
-            print(json.dumps(row))
+            print(json.dumps({"event": "consumer", **row}), flush=True)
         print(
-            json.dumps({"producer_sent": sent, "delivered": delivered, "seconds": round(total, 2)})
+            json.dumps(
+                {
+                    "event": "summary",
+                    "producer_sent": sent,
+                    "delivered": delivered,
+                    "seconds": round(total, 2),
+                }
+            ),
+            flush=True,
         )
     else:
         head = (
@@ -340,11 +350,11 @@ def report(
         print("-" * len(head))
         for row in rows:
             first = "-" if row["first_layer_ms"] is None else f"{row['first_layer_ms']:.0f} ms"
-            rate = "-" if row["MB_per_s"] is None else f"{row['MB_per_s']:.1f}"
+            rate = "-" if row["mb_per_s"] is None else f"{row['mb_per_s']:.1f}"
             ok = "bit for bit" if row["bit_identical"] else "FAILED"
             print(
                 f"{row['consumer']:<9}{row['how']:<34}{row['blocks']:>8}{first:>11}"
-                f"{row['seconds']:>7.2f}s{row['MB']:>7.1f}{rate:>7}  {ok}"
+                f"{row['seconds']:>7.2f}s{row['mb']:>7.1f}{rate:>7}  {ok}"
             )
         print()
         print(
