@@ -22,6 +22,7 @@ from kvcs_core.wire.names import TrackNamespace
 from transports.quic import asyncio_binding, trio_binding
 from transports.quic.api import ConnectError
 from transports.quic.config import UrlError
+from transports.quic.groups import single_errors
 from transports.quic.stack import STACKS, StackUnavailable
 from transports.quic.tls import TlsConfig, TlsError
 
@@ -208,7 +209,8 @@ def run(args: argparse.Namespace, main: Callable[[ModuleType], Awaitable[int]]) 
     b = binding(args)
     try:
         if args.loop == "trio":
-            return int(trio.run(main, b))
+            with single_errors():  # trio >= 0.25 groups every error (transports.quic.groups)
+                return int(trio.run(main, b))
         return asyncio.run(main(b))  # type: ignore[arg-type]
     except CliError as exc:
         return fail(str(exc), exc.status)
