@@ -434,12 +434,13 @@ class SessionPump:
 
     def _on_stack_failure(self, what: str, exc: Exception, now: float) -> None:
         """The stack raised: give the connection up (nothing more is sent or read on it)."""
-        log.warning("%s: QUIC stack error in %s: %s; connection dropped", self.label, what, exc)
         self._stack_failed = True
+        if self.terminated:  # it had ended already (e.g. qh3: "connection is closed")
+            log.debug("%s: after its end, %s raised: %s", self.label, what, exc)
+            return
+        log.warning("%s: QUIC stack error in %s: %s; connection dropped", self.label, what, exc)
         if self.close_reason is None:
             self.close_reason = f"QUIC stack error: {exc}"
-        if self.terminated:
-            return
         self.terminated = True
         self._log_end(f"QUIC stack error in {what}", QUIC_INTERNAL_ERROR)
         if self.handshake_complete:
@@ -449,7 +450,13 @@ class SessionPump:
             self._drain_session()
 
     def fail(self, what: str, exc: Exception, now: float) -> None:
-        """Give this connection up after ``exc`` escaped work on it (the endpoint's guard)."""
+        """Give this connection up after ``exc`` escaped work on it (the endpoint's guard).
+        What the stack reported first (its own end of the connection) is taken in."""
+        try:
+            if not self._stack_failed and not self.terminated:
+                self._process_quic_events(now)
+        except Exception as again:
+            log.debug("%s: events after a failure not read: %s", self.label, again)
         try:
             self._on_stack_failure(what, exc, now)
         except Exception as again:  # the session failed too: nothing more is done for it
@@ -530,20 +537,13 @@ class SessionPump:
             self._open(cmd.stream, cmd.uni)
         elif isinstance(cmd, SendDatagram):
             data = b"".join(cmd.chunks)
-            try:
-                if self.wt is not None:
-                    self.wt.datagram(data)
-                else:
-                    self.quic.send_datagram_frame(data)
-            except Exception as exc:  # a datagram is unreliable anyway (e.g. qh3 closing)
-                log.debug("%s: datagram not sent: %s", self.label, exc)
-                return 0
+            if self.wt is not None:
+                self.wt.datagram(data)
+            else:
+                self.quic.send_datagram_frame(data)
             return len(data)
         elif isinstance(cmd, AbortStream):
-            try:
-                self._abort(cmd)
-            except Exception as exc:  # the stack dropped the stream or is closing
-                log.debug("%s: stream abort not sent: %s", self.label, exc)
+            self._abort(cmd)
         elif isinstance(cmd, CloseTransport):
             if self.wt is not None:  # CLOSE_WEBTRANSPORT_SESSION carries the MOQT code
                 try:
@@ -579,9 +579,9 @@ class SessionPump:
                 self.quic.send_stream_data(sid, chunk, cmd.fin and i == last)
             if cmd.fin and not cmd.chunks:
                 self.quic.send_stream_data(sid, b"", True)
-        except Exception as exc:  # the stack closed the stream (or the connection) itself
-            # (aioquic: AssertionError/ValueError; qh3: QuicConnectionError "connection is
-            # closed"); the end of the connection reaches the session as TransportClosed
+        except (AssertionError, ValueError) as exc:  # the stack closed the stream itself
+            # (anything else, e.g. qh3's QuicConnectionError, ends the connection: the
+            # endpoint's guard calls fail())
             log.debug("%s: stream %d refused a write: %s", self.label, sid, exc)
             self._send_done.add(sid)
             return n
