@@ -487,14 +487,14 @@ class SessionPump:
         self._logged_end = True
         if clean is None:
             clean = code in (0, H3_NO_ERROR) and "idle" not in how and "error" not in how
+        reason = self.close_reason or f"no reason given (code {code:#x})"
         log.log(
             logging.INFO if clean else logging.WARNING,
-            "%s: connection with %s ended, %s: %s (code %#x)",
+            "%s: connection with %s ended, %s: %s",
             self.label,
             _addr(self.peer),
             how,
-            self.close_reason or "no reason given",
-            code,
+            reason,
         )
 
     def _peer_ref(self, sid: int, now: float) -> StreamRef | None:
