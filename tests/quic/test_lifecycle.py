@@ -390,13 +390,31 @@ def test_publisher_announces_again_after_its_relay_restarts(loop: str, tls: TlsC
 
 
 class _CloseAfterSetup(RelayApp):
-    """A relay that closes every session as soon as SETUP is done."""
+    """A relay that closes every session right after its SETUP went out: the client
+    reads SERVER_SETUP and the CONNECTION_CLOSE in one batch."""
+
+    def __init__(self, relay: Any) -> None:
+        super().__init__(relay)
+        self.due: list[tuple[float, SessionPump]] = []
 
     def handle_session_event(self, pump: SessionPump, event: ev.SessionEvent, now: float) -> None:
         if isinstance(event, ev.SetupCompleted):
-            pump.close(0x3, "refused for the test", now)  # MOQT UNAUTHORIZED
+            self.due.append((now, pump))  # closed on the next timer, after SERVER_SETUP is sent
             return
         super().handle_session_event(pump, event, now)
+
+    def handle_timer(self, now: float) -> None:
+        due, self.due = self.due, []
+        for _, pump in due:
+            pump.close(0x3, "refused for the test", now)  # MOQT UNAUTHORIZED
+        super().handle_timer(now)
+
+    def get_timer(self) -> float | None:
+        timers = [t for t, _ in self.due]
+        relay = super().get_timer()
+        if relay is not None:
+            timers.append(relay)
+        return min(timers) if timers else None
 
 
 @contextlib.asynccontextmanager
