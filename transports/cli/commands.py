@@ -333,6 +333,13 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
         )
         outcome = await follow(retrieval, cd.layers, t0, args)
+        result = outcome["result"]
+        if not (result is not None and result.complete) and all(
+            c.closed for c in (client, *others)
+        ):  # not a missing publication: the relay went away (status 3, with its reason)
+            raise ConnectError(
+                f"connection to {client.target} closed: {client.pump.close_reason or 'lost'}"
+            )
     return finish_fetch(args, source, dest, outcome)
 
 

@@ -96,6 +96,8 @@ class Watcher(Protocol):
 
     def get_timer(self) -> float | None: ...
 
+    def stop(self) -> None: ...
+
 
 class Application(Protocol):
     """What sits on the sessions of an endpoint (see :mod:`.apps`)."""
@@ -163,6 +165,8 @@ class QuicEndpoint:
         self._refusals: dict[bytes, list[bytes]] = {}
         self._serial = 0
         self._pending_vn: list[tuple[bytes, Any]] = []
+        self._now = 0.0
+        """The latest time an input carried (for work that is given none)."""
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -233,7 +237,7 @@ class QuicEndpoint:
             try:
                 timers.append(pump.get_timer())
             except Exception as exc:
-                pump.fail("get_timer", exc, 0.0)
+                pump.fail("get_timer", exc, self._now)
         timers.extend(link.get_timer() for link in self.links)
         try:
             timers.append(self.app.get_timer())
@@ -287,6 +291,7 @@ class QuicEndpoint:
 
     def _guard(self, pump: SessionPump, what: str, now: float, fn: Any, *args: Any) -> Any:
         """``fn(*args)``; an exception ends ``pump``'s connection only (module docstring)."""
+        self._now = max(self._now, now)
         try:
             return fn(*args)
         except Exception as exc:
@@ -296,9 +301,7 @@ class QuicEndpoint:
     def close(self, now: float, code: int = 0, reason: str = "") -> None:
         """Close every session (their connections close with ``code``); links stop."""
         for link in list(self.links):
-            stop = getattr(link, "stop", None)
-            if stop is not None:
-                stop()
+            link.stop()
         for pump in list(self.pumps):
             self._guard(pump, "close", now, pump.close, code, reason, now)
 
