@@ -73,6 +73,10 @@ class RelayConfig:
     publish_done_grace: float = attrs.field(default=2.0, validator=_non_negative)
     """After an upstream PUBLISH_DONE, how long to wait for the data streams it counts
     (d21 section 9.9, Stream Count) before ending the downstream subscriptions."""
+    upstream_hold: float = attrs.field(default=10.0, validator=_non_negative)
+    """After an upstream *link* (a session the embedding reopens when lost, see
+    ``Relay.add_session(link=True)``) is lost, how long the downstream subscriptions
+    and FETCHes it was serving wait for the next upstream session instead of ending."""
     idle_forward: bool = True
     """Forward State of an upstream subscription while the track has no downstream
     subscription at all. ``True`` keeps the cache warm for late joiners and FETCHes (the

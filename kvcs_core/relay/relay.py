@@ -88,6 +88,17 @@ evicted).
 Chaining: a relay's upstream session can be a downstream session of another
 relay (trees); a parent relay is a default route for tracks no PUBLISH_NAMESPACE
 covers.
+
+**Upstream links** (``add_session(..., link=True)``): an upstream session the
+embedding reopens when it is lost (a parent relay). When one is lost, a track it
+fed that has no other route keeps its downstream subscriptions (served and
+waiting), and downstream FETCHes waiting on it are kept too, for up to
+``RelayConfig.upstream_hold`` seconds; when the next upstream session completes
+SETUP each such track is subscribed upstream again (the fill starting after the
+cached Largest Object when the cache is whole, as for any re-subscription) and
+each kept FETCH is asked again. Namespace subscriptions of downstream peers are
+re-subscribed on it as on any new upstream session. When the hold expires first,
+they end as they would have at the loss (PUBLISH_DONE, REQUEST_ERROR).
 """
 
 from __future__ import annotations
@@ -120,7 +131,7 @@ from kvcs_core.relay.tracks import (
     Track,
 )
 from kvcs_core.wire import params as p
-from kvcs_core.wire.codes import LocationFilterType, RequestErrorCode
+from kvcs_core.wire.codes import LocationFilterType, PublishDoneCode, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 
 __all__ = ["Relay"]
@@ -187,10 +198,15 @@ class Relay(Offers):
             ev.SessionClosed: self._on_closed,
         }
         self._handlers = handlers
+        self._links: set[MoqtSession] = set()
+        """Upstream sessions that the embedding reopens when lost (module docstring)."""
+        self._hold_until: float | None = None
+        self._held: dict[Track, None] = {}
+        self._parked: list[DownstreamFetch] = []
 
     # ------------------------------------------------------------------ API
 
-    def add_session(self, session: MoqtSession, *, upstream: bool) -> None:
+    def add_session(self, session: MoqtSession, *, upstream: bool, link: bool = False) -> None:
         """Own ``session`` (started by the embedding, before or after this call).
 
         Args:
@@ -201,6 +217,9 @@ class Relay(Offers):
                 PUBLISH_NAMESPACE covers, and asked about downstream
                 SUBSCRIBE_NAMESPACE prefixes). ``False`` for subscribers
                 (downstream). Any session may send PUBLISH_NAMESPACE or PUBLISH.
+            link: with ``upstream``: the embedding opens a new upstream session when
+                this one is lost; until then (at most ``RelayConfig.upstream_hold``
+                seconds) what it served waits instead of ending (module docstring).
 
         Raises:
             LocalProtocolError: the session is already owned or is closed.
@@ -211,6 +230,8 @@ class Relay(Offers):
             raise LocalProtocolError("the session is closed")
         peer = Peer(session, upstream)
         self._peers[session] = peer
+        if upstream and link:
+            self._links.add(session)
         if upstream and session.setup_complete:
             self._on_setup(peer, None)
 
@@ -247,9 +268,12 @@ class Relay(Offers):
         return True
 
     def handle_timer(self, now: float) -> None:
-        """Fire due deadlines (PUBLISH_DONE grace, fill timeout); early calls do nothing."""
+        """Fire due deadlines (PUBLISH_DONE grace, fill timeout, upstream hold); early calls
+        do nothing."""
         self._advance(now)
         self._fire(now)
+        if self._hold_until is not None and self._hold_until <= now:
+            self._end_hold()
         self._settle()
 
     def _settle(self) -> None:
@@ -266,7 +290,10 @@ class Relay(Offers):
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` should next be called, or ``None``."""
-        return self._deadline()
+        deadline = self._deadline()
+        if self._hold_until is not None and (deadline is None or self._hold_until < deadline):
+            deadline = self._hold_until
+        return deadline
 
     def _advance(self, now: float) -> None:
         if now < self._now:
@@ -471,8 +498,12 @@ class Relay(Offers):
         if track is None:
             self._reject(peer, e.request_id, RequestErrorCode.EXCESSIVE_LOAD, "too many tracks")
             return
-        fetch = DownstreamFetch(peer, e.request_id, e.params, track)
-        lf = e.params.get(p.LocationFilter)
+        self._route_fetch(DownstreamFetch(peer, e.request_id, e.params, track))
+
+    def _route_fetch(self, fetch: DownstreamFetch) -> None:
+        """Serve a downstream FETCH from the cache, or ask upstream (module docstring)."""
+        peer, track = fetch.peer, fetch.track
+        lf = fetch.params.get(p.LocationFilter)
         if self._fetch_cached(track, lf):
             self._accept_fetch(fetch)
             return
@@ -482,11 +513,14 @@ class Relay(Offers):
                 self._accept_fetch(fetch)  # what the cache has (INVALID_RANGE if nothing)
             else:
                 self._reject(
-                    peer, e.request_id, RequestErrorCode.DOES_NOT_EXIST, "no publisher for track"
+                    peer,
+                    fetch.request_id,
+                    RequestErrorCode.DOES_NOT_EXIST,
+                    "no publisher for track",
                 )
             self._forget_idle(track)
             return
-        peer.fetches[e.request_id] = fetch
+        peer.fetches[fetch.request_id] = fetch
         key = (lf,)
         for f in track.fetches:
             if f.purpose is FetchPurpose.SERVE and f.filter_key == key:
@@ -631,9 +665,72 @@ class Relay(Offers):
                 if sub.session is not peer.session:
                     self._ensure_upstream_namespace(peer, sub.prefix)
             self._tracks_on_setup(peer)
+            self._resume_held()
             for track in {s.track: None for s in self._rendezvous}:
                 if track.pending and not track.active:  # a new route for a held SUBSCRIBE
                     self._subscribe_upstream(track, None)
+
+    # ------------------------------------------------------------------ upstream links
+
+    def _holding(self) -> bool:
+        return self._hold_until is not None and self._now < self._hold_until
+
+    def _upstream_gone(self, track: Track, status: int, reason: str, *, failover: bool) -> None:
+        """As :class:`~kvcs_core.relay.upstream.Upstream`'s, but while a lost upstream link
+        is expected back, a track left without any route keeps its downstream
+        subscriptions (module docstring, upstream links)."""
+        if (
+            failover
+            and self._holding()
+            and (track.served or track.pending)
+            and not track.complete
+            and not self._routes(track.name.namespace, None)
+        ):
+            self._held[track] = None
+            return
+        super()._upstream_gone(track, status, reason, failover=failover)
+
+    def _resume_held(self) -> None:
+        """A new upstream session is set up: ask it for what waited (module docstring)."""
+        held, self._held = list(self._held), {}
+        parked, self._parked = self._parked, []
+        self._hold_until = None
+        for track in held:
+            if (
+                (track.served or track.pending)
+                and not track.active
+                and not track.complete
+                and not self._subscribe_upstream(track, None)
+            ):
+                self._release(track)
+        for fetch in parked:
+            if self._pending(fetch.peer, fetch.request_id, ev.RequestKind.FETCH):
+                self._route_fetch(fetch)
+
+    def _end_hold(self) -> None:
+        """No upstream session came back in time: end what waited for one."""
+        held, self._held = list(self._held), {}
+        parked, self._parked = self._parked, []
+        self._hold_until = None
+        for track in held:
+            if not track.active:
+                self._release(track)
+        for fetch in parked:
+            fetch.peer.fetches.pop(fetch.request_id, None)
+            if fetch.track.entry is not None and self._has_objects(fetch):
+                self._accept_fetch(fetch)
+            else:
+                self._reject(
+                    fetch.peer, fetch.request_id, RequestErrorCode.INTERNAL_ERROR, "upstream lost"
+                )
+
+    def _release(self, track: Track) -> None:
+        entry = track.entry
+        if entry is not None and (entry.store.end_of_track is not None or track.ended):
+            status, reason = int(PublishDoneCode.TRACK_ENDED), "track ended"
+        else:
+            status, reason = int(PublishDoneCode.INTERNAL_ERROR), "upstream lost"
+        super()._upstream_gone(track, status, reason, failover=False)
 
     def _on_goaway(self, peer: Peer, e: ev.GoawayReceived) -> None:
         if e.request_id is None:
@@ -645,6 +742,10 @@ class Relay(Offers):
         peer.closed = True
         session = peer.session
         del self._peers[session]
+        if session in self._links:
+            self._links.discard(session)
+            if self.config.upstream_hold > 0:
+                self._hold_until = self._now + self.config.upstream_hold
         affected: dict[Track, None] = {}
         for sub in peer.subscriptions.values():
             self._rendezvous.pop(sub, None)
@@ -672,6 +773,14 @@ class Relay(Offers):
         self._sync_namespaces(changed)
         for feed in list(peer.feeds.values()):
             if feed.kind is FeedKind.FETCH:
+                if (
+                    self._holding()
+                    and feed.purpose is FetchPurpose.SERVE
+                    and not self._routes(feed.track.name.namespace, None)
+                ):
+                    # asked again on the next upstream session (module docstring)
+                    self._parked.extend(feed.waiters)
+                    feed.waiters = []
                 self._fetch_done(
                     feed, ok=False, code=RequestErrorCode.INTERNAL_ERROR, reason="upstream lost"
                 )

@@ -74,13 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="more logging on stderr (-v info, -vv debug)",
     )
+    # the common options are accepted after the subcommand too (kvcs relay -v ...)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="more logging on stderr (-v info, -vv debug)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="relay + producer + consumers over QUIC on 127.0.0.1")
+    d = sub.add_parser(
+        "demo", help="relay + producer + consumers over QUIC on 127.0.0.1", parents=[common]
+    )
     demo.add_options(d)
     add_transport_options(d)
 
-    r = sub.add_parser("relay", help="run a caching MOQT relay")
+    r = sub.add_parser("relay", help="run a caching MOQT relay", parents=[common])
     r.add_argument(
         "--listen",
         default="127.0.0.1:4443",
@@ -119,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     add_transport_options(r)
 
-    p = sub.add_parser("publish", help="publish a KV cache through a relay")
+    p = sub.add_parser("publish", help="publish a KV cache through a relay", parents=[common])
     p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     add_cache_options(p, role="publish")
     p.add_argument("--publication-id", metavar="HEX", help="16 octets (default: random)")
@@ -145,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(p)
     add_transport_options(p)
 
-    f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache")
+    f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache", parents=[common])
     f.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     add_cache_options(f, role="fetch")
     f.add_argument(
@@ -193,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(f)
     add_transport_options(f)
 
-    ls = sub.add_parser("ls", help="list the namespaces announced under a prefix")
+    ls = sub.add_parser("ls", help="list the namespaces announced under a prefix", parents=[common])
     ls.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     ls.add_argument(
         "--prefix",
@@ -211,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(ls)
     add_transport_options(ls)
 
-    check = sub.add_parser("selfcheck", help="encode and decode every MOQT byte vector")
+    check = sub.add_parser(
+        "selfcheck", help="encode and decode every MOQT byte vector", parents=[common]
+    )
     check.add_argument(
         "--vectors",
         type=Path,

@@ -10,8 +10,10 @@ JSON object per line instead, for scripts.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
+import shutil
 import signal
 import sys
 import tempfile
@@ -36,8 +38,9 @@ from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
 from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.wire.names import TrackNamespace
-from transports.quic.api import CacheRetrieval
+from transports.quic.api import CacheRetrieval, ConnectError
 from transports.quic.config import parse_hostport
+from transports.quic.reconnect import DEFAULT_BACKOFF
 from transports.quic.tls import TlsConfig, self_signed
 
 from .common import (
@@ -112,7 +115,10 @@ def relay_tls(args: argparse.Namespace) -> TlsConfig:
     if args.self_signed:
         if args.cert or args.key:
             raise CliError("give --self-signed or --cert/--key, not both", Exit.USAGE)
-        directory = args.cert_dir or Path(tempfile.mkdtemp(prefix="kvcs-relay-"))
+        directory = args.cert_dir
+        if directory is None:  # a private temporary one, removed when the command exits
+            directory = Path(tempfile.mkdtemp(prefix="kvcs-relay-"))
+            atexit.register(shutil.rmtree, directory, True)
         try:
             return self_signed(directory)
         except OSError as exc:
@@ -145,6 +151,7 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             upstream=args.upstream,
             upstream_tls=upstream_tls,
             max_datagram_size=args.datagram_size,
+            idle_timeout=args.idle_timeout,
         ) as server:
             where = f"moqt://{server.address[0]}:{server.address[1]}"
             wt_url = f"https://{server.address[0]}:{server.address[1]}/"
@@ -178,6 +185,8 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
                     )
                     continue
                 break
+    except ConnectError:
+        raise  # the upstream relay (a ConnectError is an OSError too): mapped by common.run
     except OSError as exc:
         raise CliError(
             f"cannot listen on {args.listen}: {exc.strerror or exc}", Exit.NETWORK
@@ -272,13 +281,16 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
 
 
 def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
-    """The session with ``args.url`` that every client command opens."""
+    """The session with ``args.url`` that every client command opens (a publisher's is
+    reopened with backoff whenever it is lost, and its publication announced again)."""
     return b.connect(
         args.url,
         tls=client_tls(args),
         stack=args.stack,
         timeout=args.timeout,
         max_datagram_size=args.datagram_size,
+        idle_timeout=args.idle_timeout,
+        reconnect=DEFAULT_BACKOFF if args.command == "publish" else None,
     )
 
 
@@ -329,7 +341,13 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
         client = await stack.enter_async_context(_connect(b, args))
         others = [
             await stack.enter_async_context(
-                b.connect(url, tls=client_tls(args), timeout=args.timeout, via=client)
+                b.connect(
+                    url,
+                    tls=client_tls(args),
+                    timeout=args.timeout,
+                    via=client,
+                    idle_timeout=args.idle_timeout,
+                )
             )
             for url in args.also
         ]
@@ -346,6 +364,13 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
         )
         outcome = await follow(retrieval, cd.layers, t0, args)
+        result = outcome["result"]
+        if not (result is not None and result.complete) and all(
+            c.closed for c in (client, *others)
+        ):  # not a missing publication: the relay went away (status 3, with its reason)
+            raise ConnectError(
+                f"connection to {client.target} closed: {client.pump.close_reason or 'lost'}"
+            )
     return finish_fetch(args, source, dest, outcome)
 
 
@@ -356,14 +381,14 @@ async def follow(
     bar = Progress("fetching", layers, enabled=None if not args.json else False)
     first: float | None = None
     seen = 0
-    try:
-        async for _layer in retrieval:
+    try:  # --fetch-timeout bounds the whole retrieval
+        async for _layer in retrieval.layers(timeout=args.fetch_timeout):
             if first is None:
                 first = time.monotonic() - t0
             bar.update(len(retrieval.ready))
             seen = _warn_discarded(retrieval, seen, args)
         result: RetrievalComplete | None = await retrieval.result(
-            timeout=args.fetch_timeout, strict=False
+            timeout=max(0.0, args.fetch_timeout - (time.monotonic() - t0)), strict=False
         )
     except TimeoutError:
         result = None

@@ -28,7 +28,8 @@ from adapters.cachefile import (
 from kvcs_core.wire.names import TrackNamespace
 from transports.quic import asyncio_binding, trio_binding
 from transports.quic.api import ConnectError
-from transports.quic.config import UrlError
+from transports.quic.config import DEFAULT_IDLE_TIMEOUT, UrlError
+from transports.quic.groups import single_errors
 from transports.quic.stack import STACKS, StackUnavailable
 from transports.quic.tls import TlsConfig, TlsError
 
@@ -82,6 +83,24 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="largest UDP payload QUIC may send (default: the stack's, 1200-1280)",
     )
+    g.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        default=DEFAULT_IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"QUIC idle timeout: a peer silent this long is gone (default "
+        f"{DEFAULT_IDLE_TIMEOUT:g}; quiet sessions are kept alive with PINGs)",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value
 
 
 def add_client_tls_options(p: argparse.ArgumentParser) -> None:
@@ -253,7 +272,8 @@ def run(args: argparse.Namespace, main: Callable[[ModuleType], Awaitable[int]]) 
     b = binding(args)
     try:
         if args.loop == "trio":
-            return int(trio.run(main, b))
+            with single_errors():  # trio >= 0.25 groups every error (transports.quic.groups)
+                return int(trio.run(main, b))
         return asyncio.run(main(b))  # type: ignore[arg-type]
     except CliError as exc:
         return fail(str(exc), exc.status)

@@ -24,10 +24,12 @@ only if every consumer verified its cache bit for bit.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -121,9 +123,15 @@ async def demo(b: ModuleType, args: argparse.Namespace) -> int:
 @contextlib.asynccontextmanager
 async def relay_url(b: ModuleType, args: argparse.Namespace) -> AsyncIterator[str]:
     if args.in_process:
-        tls = self_signed(tempfile.mkdtemp(prefix="kvcs-demo-"))
+        certs = tempfile.mkdtemp(prefix="kvcs-demo-")
+        atexit.register(shutil.rmtree, certs, True)  # the private key goes with the run
+        tls = self_signed(certs)
         async with b.serve_relay(
-            "127.0.0.1:0", tls=tls, stack=args.stack, max_datagram_size=args.datagram_size
+            "127.0.0.1:0",
+            tls=tls,
+            stack=args.stack,
+            max_datagram_size=args.datagram_size,
+            idle_timeout=args.idle_timeout,
         ) as server:
             yield server.url
         return
@@ -143,6 +151,7 @@ async def relay_url(b: ModuleType, args: argparse.Namespace) -> AsyncIterator[st
     ]
     if args.datagram_size:
         cmd += ["--datagram-size", str(args.datagram_size)]
+    cmd += ["--idle-timeout", str(args.idle_timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     try:
         line = await wait_line(b, proc)
@@ -213,13 +222,21 @@ async def run_demo(b: ModuleType, args: argparse.Namespace, url: str, source: Ca
     live, mid, late, partial = consumers
     t0 = time.monotonic()
     async with b.connect(
-        url, tls=tls, stack=args.stack, max_datagram_size=args.datagram_size
+        url,
+        tls=tls,
+        stack=args.stack,
+        max_datagram_size=args.datagram_size,
+        idle_timeout=args.idle_timeout,
     ) as producer:
         pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
 
         async def consume(c: Consumer, ready: list[bool]) -> None:
             async with b.connect(
-                url, tls=tls, stack=args.stack, max_datagram_size=args.datagram_size
+                url,
+                tls=tls,
+                stack=args.stack,
+                max_datagram_size=args.datagram_size,
+                idle_timeout=args.idle_timeout,
             ) as client:
                 await retrieve(b, client, c, source, ready, args.timeout)
 

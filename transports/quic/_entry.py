@@ -19,8 +19,9 @@ from kvcs_core.relay.config import RelayConfig
 from ._setup import client_endpoint, is_loopback, parse_url, relay_endpoint
 from .api import MoqtClient, RelayServer, open_session
 from .apps import ClientApp
-from .config import parse_hostport
-from .endpoint import QuicEndpoint
+from .config import DEFAULT_IDLE_TIMEOUT, parse_hostport
+from .endpoint import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_ADDRESS, QuicEndpoint
+from .reconnect import DEFAULT_BACKOFF, Backoff
 from .tls import TlsConfig
 
 OpenEndpoint = Callable[[QuicEndpoint, str, int], AbstractAsyncContextManager[Any]]
@@ -39,9 +40,12 @@ async def relay_server(
     upstream: str | None = None,
     upstream_tls: TlsConfig | None = None,
     max_datagram_size: int | None = None,
-    max_connections: int = 256,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
     timeout: float = 10.0,
     webtransport: bool = True,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
 ) -> AsyncIterator[RelayServer]:
     """A caching relay on ``listen`` (``host:port``), as an async context manager
     (``serve_relay`` of a binding).
@@ -49,9 +53,16 @@ async def relay_server(
     Options: ``tls`` (required: a :class:`~.tls.TlsConfig` with a certificate),
     ``stack`` (``"aioquic"`` or ``"qh3"``), ``relay_config``, ``upstream`` (a parent
     relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
-    ``max_connections``, ``timeout`` (for the upstream session), ``webtransport``
-    (default true: clients also reach it over WebTransport, ``https://host:port/...``,
-    on the same UDP port).
+    ``max_connections`` (default 256) and ``max_connections_per_address`` (default
+    32; handshakes over either are refused at once with CONNECTION_REFUSED, see
+    :mod:`.endpoint`), ``timeout`` (for the upstream session, and each attempt to
+    reopen it), ``webtransport`` (default true: clients also reach it over
+    WebTransport, ``https://host:port/...``, on the same UDP port), ``idle_timeout``
+    (seconds, default 30: QUIC's idle timeout of every connection; kvcs connections
+    PING a quiet peer, so only dead ones reach it), ``upstream_reconnect`` (the
+    :class:`~.reconnect.Backoff` with which a lost upstream session is reopened,
+    forever by default; ``None``: never; the relay core asks the new session again
+    for what its downstream peers wait for).
     """
     host, port = parse_hostport(listen)
     endpoint = relay_endpoint(
@@ -60,7 +71,9 @@ async def relay_server(
         relay_config=relay_config,
         max_datagram_size=max_datagram_size,
         max_connections=max_connections,
+        max_connections_per_address=max_connections_per_address,
         webtransport=webtransport,
+        idle_timeout=idle_timeout,
     )
     async with open_endpoint(endpoint, host, port) as driver:
         parent = None
@@ -68,7 +81,16 @@ async def relay_server(
             url = parse_url(upstream)
             addr = await resolve(url.host, url.port)
             parent = open_session(
-                driver, ClientApp(), url, upstream, addr, upstream_tls, max_datagram_size
+                driver,
+                ClientApp(),
+                url,
+                upstream,
+                addr,
+                upstream_tls,
+                max_datagram_size,
+                idle_timeout=idle_timeout,
+                reconnect=upstream_reconnect,
+                connect_timeout=timeout,
             )
             await parent.wait_ready(timeout)
         yield RelayServer(driver, driver.udp.address, parent)
@@ -85,16 +107,27 @@ async def client_session(
     timeout: float = 10.0,
     max_datagram_size: int | None = None,
     via: MoqtClient | None = None,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    reconnect: Backoff | None = None,
+    bind: str | None = None,
 ) -> AsyncIterator[MoqtClient]:
     """A MOQT session with the server at ``moqt://host:port[/path]`` (native QUIC) or
     ``https://host:port/path`` (WebTransport), as an async context manager
     (``connect`` of a binding).
 
     Options: ``tls`` (trust; default: the system's), ``stack``, ``timeout`` (for the
-    handshake and SETUP), ``max_datagram_size``, ``via`` (open the session on the
-    UDP socket and driver of another client, e.g. a second relay for one retrieval:
-    ``retrieve_cache(..., also=...)``; both must reach their servers from the same
-    local address).
+    handshake and SETUP, and each reconnection attempt), ``max_datagram_size``,
+    ``via`` (open the session on the UDP socket and driver of another client, e.g. a
+    second relay for one retrieval: ``retrieve_cache(..., also=...)``; both must reach
+    their servers from the same local address), ``idle_timeout`` (seconds, default 30;
+    the connection PINGs a quiet server, see :mod:`.pump`), ``reconnect`` (a
+    :class:`~.reconnect.Backoff`: once set up, a lost session is reopened with it and
+    the publications made on the client are announced again; default ``None``: no
+    reconnection), ``bind`` (the local IP address to send from; default: 127.0.0.1
+    for a loopback server, else any).
+
+    A connection that fails, or whose session the server closes during setup, raises
+    :class:`~.api.ConnectError` with the reason.
     """
     target = parse_url(url)
     addr = await resolve(target.host, target.port)
@@ -103,11 +136,23 @@ async def client_session(
             driver, app = via.driver, via.app
         else:
             app = ClientApp()
-            endpoint = client_endpoint(stack=stack, app=app)
-            loopback = is_loopback(addr[0])
-            bind = "127.0.0.1" if loopback else ("::" if ":" in addr[0] else "0.0.0.0")
+            endpoint = client_endpoint(stack=stack, app=app, idle_timeout=idle_timeout)
+            if bind is None:
+                loopback = is_loopback(addr[0])
+                bind = "127.0.0.1" if loopback else ("::" if ":" in addr[0] else "0.0.0.0")
             driver = await stack_.enter_async_context(open_endpoint(endpoint, bind, 0))
-        client = open_session(driver, app, target, url, addr, tls, max_datagram_size)
+        client = open_session(
+            driver,
+            app,
+            target,
+            url,
+            addr,
+            tls,
+            max_datagram_size,
+            idle_timeout=idle_timeout,
+            reconnect=reconnect,
+            connect_timeout=timeout,
+        )
         try:
             await client.wait_ready(timeout)
             yield client

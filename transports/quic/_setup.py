@@ -10,8 +10,8 @@ from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.relay import Relay
 
 from .apps import ClientApp, RelayApp
-from .config import MoqtUrl, parse_url, quic_configuration
-from .endpoint import QuicEndpoint
+from .config import DEFAULT_IDLE_TIMEOUT, MoqtUrl, parse_url, quic_configuration
+from .endpoint import DEFAULT_MAX_PER_ADDRESS, QuicEndpoint
 from .stack import load_stack
 from .tls import TlsConfig
 
@@ -45,6 +45,8 @@ def relay_endpoint(
     max_datagram_size: int | None,
     max_connections: int,
     webtransport: bool = True,
+    max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> QuicEndpoint:
     st = load_stack(stack)
     webtransport = webtransport and st.h3_connection is not None
@@ -54,24 +56,35 @@ def relay_endpoint(
         tls=tls,
         max_datagram_size=max_datagram_size,
         webtransport=webtransport,
+        idle_timeout=idle_timeout,
     )
     return QuicEndpoint(
         st,
         cfg,
         RelayApp(Relay(relay_config)),
         max_connections=max_connections,
+        max_connections_per_address=max_connections_per_address,
         webtransport=webtransport,
     )
 
 
-def client_endpoint(*, stack: str, app: ClientApp | None = None) -> QuicEndpoint:
+def client_endpoint(
+    *, stack: str, app: ClientApp | None = None, idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+) -> QuicEndpoint:
     st = load_stack(stack)
-    cfg = quic_configuration(st, is_client=True, tls=TlsConfig(verify=False))
+    cfg = quic_configuration(
+        st, is_client=True, tls=TlsConfig(verify=False), idle_timeout=idle_timeout
+    )
     return QuicEndpoint(st, cfg, app or ClientApp())
 
 
 def client_configuration(
-    endpoint: QuicEndpoint, url: MoqtUrl, tls: TlsConfig | None, max_datagram_size: int | None
+    endpoint: QuicEndpoint,
+    url: MoqtUrl,
+    tls: TlsConfig | None,
+    max_datagram_size: int | None,
+    *,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> Any:
     return quic_configuration(
         endpoint.stack,
@@ -80,6 +93,7 @@ def client_configuration(
         server_name=url.host,
         max_datagram_size=max_datagram_size,
         webtransport=url.webtransport,
+        idle_timeout=idle_timeout,
     )
 
 

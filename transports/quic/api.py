@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -48,9 +49,10 @@ from kvcs_core.wire.names import TrackNamespace
 
 from ._setup import client_configuration, client_session_config
 from .apps import ClientApp, ConsumerHandle
-from .config import MoqtUrl
+from .config import DEFAULT_IDLE_TIMEOUT, MoqtUrl
 from .endpoint import QuicEndpoint
 from .pump import SessionPump
+from .reconnect import Backoff, Link
 from .tls import TlsConfig
 
 log = logging.getLogger("kvcs.quic")
@@ -91,33 +93,86 @@ def _closed_reason(pump: SessionPump) -> str:
 
 
 class MoqtClient:
-    """One client connection carrying one MOQT session."""
+    """One client connection carrying one MOQT session.
 
-    def __init__(self, driver: Driver, pump: SessionPump, app: ClientApp, target: str) -> None:
+    With a :class:`~.reconnect.Link` (``connect(..., reconnect=Backoff())``) the
+    connection is opened again when it is lost: :attr:`pump` and :attr:`session`
+    are then always the current ones, the publications made here are announced
+    and served again on each new session, and :attr:`closed` is true only once
+    the link gave up (or :meth:`close` was called).
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        pump: SessionPump,
+        app: ClientApp,
+        target: str,
+        link: Link | None = None,
+    ) -> None:
         self.driver = driver
-        self.pump = pump
+        self._pump = pump
         self.app = app
         self.target = target
+        self.link = link
+        self.publications: list[KvcsPublisher] = []
+        self._closing = False
+
+    @property
+    def pump(self) -> SessionPump:
+        """The connection (the current one, with a link)."""
+        return self.link.pump if self.link is not None else self._pump
 
     @property
     def session(self) -> MoqtSession:
         return self.pump.session
 
     @property
+    def connected(self) -> bool:
+        """The current session is set up and open."""
+        pump = self.pump
+        return pump.session.setup_complete and not pump.terminated and not pump.session.is_closed
+
+    @property
     def closed(self) -> bool:
+        """Over for good: the session ended (with a link: the link gave up or was stopped)."""
+        if self.link is not None and self.link.active and not self._closing:
+            return False
         return self.pump.terminated or self.session.is_closed
 
     async def wait_ready(self, timeout: float) -> None:
-        """Wait for the QUIC handshake and both SETUPs; :class:`ConnectError` otherwise."""
+        """Wait for the QUIC handshake and both SETUPs; :class:`ConnectError` otherwise
+        (also when the session was closed right after SETUP, with the peer's reason)."""
+        pump = self.pump
+
+        def settled() -> bool:
+            return pump.session.setup_complete or pump.terminated or pump.session.is_closed
+
         try:
-            await self.driver.wait_for(lambda: self.session.setup_complete or self.closed, timeout)
+            await self.driver.wait_for(settled, timeout)
         except TimeoutError:
             raise ConnectError(
                 f"no MOQT session with {self.target} within {timeout:g} s "
                 "(unreachable, or not a moqt-22 server)"
             ) from None
-        if not self.session.setup_complete:
-            raise ConnectError(f"connection to {self.target} failed: {_closed_reason(self.pump)}")
+        if not pump.session.setup_complete or pump.terminated or pump.session.is_closed:
+            raise ConnectError(f"connection to {self.target} failed: {_closed_reason(pump)}")
+
+    def _require_open(self) -> None:
+        if not self.connected and (self.link is None or not self.link.active):
+            raise ConnectError(f"connection to {self.target} closed: {_closed_reason(self.pump)}")
+
+    def _restore(self, pump: SessionPump, now: float) -> None:
+        """A new session of the link is set up: announce every publication on it again
+        (each re-serves its tracks from its stores)."""
+        self.app.publishers[:] = [(p, s) for p, s in self.app.publishers if not s.is_closed]
+        for pub in self.publications:
+            try:
+                pub.attach(pump.session, now=now)
+            except Exception as exc:  # the new session is unusable: the link tries again
+                log.warning("%s: publication not restored: %s", pump.label, exc)
+                continue
+            self.app.publishers.append((pub, pump.session))
 
     async def publish_cache(
         self,
@@ -131,7 +186,9 @@ class MoqtClient:
         deterministic: bool = False,
         max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> CachePublication:
-        """Create a publication and announce it on this session (PUBLISH_NAMESPACE)."""
+        """Create a publication and announce it on this session (PUBLISH_NAMESPACE); with
+        a link, again on every new session."""
+        self._require_open()
         pub = KvcsPublisher(
             descriptor,
             scope_key,
@@ -141,8 +198,10 @@ class MoqtClient:
             signer=signer,
             deterministic=deterministic,
         )
-        self.app.publishers.append((pub, self.session))
-        pub.attach(self.session, now=self.driver.now())
+        self.publications.append(pub)
+        if self.connected:
+            self.app.publishers.append((pub, self.session))
+            pub.attach(self.session, now=self.driver.now())
         self.driver.wake()
         return CachePublication(self, pub, max_queued)
 
@@ -160,6 +219,9 @@ class MoqtClient:
         ``kwargs`` go to :class:`~kvcs_core.kvcs.consumer.KvcsConsumer` (destinations,
         producer_keys, require_authenticity, layers, config, ...).
         """
+        for c in (self, *also):
+            if not c.connected:
+                raise ConnectError(f"connection to {c.target} closed: {_closed_reason(c.pump)}")
         kwargs.setdefault("config", ConsumerConfig())
         consumer = KvcsConsumer(descriptor, scope_key, tokens, **kwargs)
         clients = (self, *also)
@@ -195,9 +257,14 @@ class MoqtClient:
             elif isinstance(e, ev.RequestFailed) and e.request_id == rid:
                 state["failed"] = e
 
+        if not self.connected:
+            raise ConnectError(f"connection to {self.target} closed: {_closed_reason(self.pump)}")
         self.app.watchers.append(watch)
         try:
-            state["rid"] = self.session.subscribe_namespace(prefix, now=self.driver.now())
+            try:
+                state["rid"] = self.session.subscribe_namespace(prefix, now=self.driver.now())
+            except LocalProtocolError as exc:  # closed in the meantime
+                raise ConnectError(f"connection to {self.target} closed: {exc}") from None
             self.driver.wake()
             deadline = self.driver.now() + timeout
 
@@ -231,6 +298,9 @@ class MoqtClient:
 
     async def close(self, timeout: float = 2.0) -> None:
         """Close the session (NO_ERROR) and wait briefly for the connection to end."""
+        self._closing = True
+        if self.link is not None:
+            self.link.stop()
         if not self.closed:
             self.pump.close(SessionErrorCode.NO_ERROR, "bye", self.driver.now())
             self.driver.wake()
@@ -256,9 +326,10 @@ class CachePublication:
         timeout: float | None = None,
     ) -> None:
         """Publish one layer, first waiting while too much is queued for subscribers."""
-        session = self.client.session
-        await self.client.driver.wait_for(
-            lambda: session.queued_bytes <= self.max_queued or self.client.closed, timeout
+        client = self.client
+        await client.driver.wait_for(
+            lambda: client.session.queued_bytes <= self.max_queued or not client.connected,
+            timeout,
         )
         if self.client.closed:
             raise ConnectError(f"publication lost its session: {_closed_reason(self.client.pump)}")
@@ -273,10 +344,14 @@ class CachePublication:
         self.client.driver.wake()
 
     async def drained(self, timeout: float | None = None) -> None:
-        """Wait until nothing is queued for subscribers and QUIC has sent what it was given."""
-        session, pump = self.client.session, self.client.pump
-        await self.client.driver.wait_for(
-            lambda: (session.queued_bytes == 0 and pump.unsent_bytes() == 0) or self.client.closed,
+        """Wait until nothing is queued for subscribers and QUIC has sent what it was given
+        (or the session is gone: nothing can be sent then)."""
+        client = self.client
+        await client.driver.wait_for(
+            lambda: (
+                not client.connected
+                or (client.session.queued_bytes == 0 and client.pump.unsent_bytes() == 0)
+            ),
             timeout,
         )
 
@@ -323,6 +398,23 @@ class CacheRetrieval:
             if self.complete is not None:
                 return
             await self.driver.wait_for(lambda: bool(self.handle.events), None)
+
+    async def layers(self, timeout: float | None = None) -> AsyncIterator[int]:
+        """As ``async for``, but the whole iteration ends by ``timeout`` seconds from now
+        (``TimeoutError``)."""
+        deadline = None if timeout is None else self.driver.now() + timeout
+        seen = 0
+        while True:
+            self._take()
+            while seen < len(self.ready):
+                seen += 1
+                yield self.ready[seen - 1]
+            if self.complete is not None:
+                return
+            left = None if deadline is None else deadline - self.driver.now()
+            if left is not None and left <= 0:
+                raise TimeoutError
+            await self.driver.wait_for(lambda: bool(self.handle.events), left)
 
     async def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Wait until ``layer`` is usable; :class:`RetrievalFailed` if it never will be."""
@@ -391,15 +483,43 @@ def open_session(
     addr: Any,
     tls: TlsConfig | None,
     max_datagram_size: int | None,
+    *,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    reconnect: Backoff | None = None,
+    connect_timeout: float = 10.0,
+    rand: Callable[[], float] = random.random,
 ) -> MoqtClient:
-    """Start a client connection on ``driver``'s endpoint; the session follows the handshake."""
+    """Start a client connection on ``driver``'s endpoint; the session follows the handshake.
+
+    ``reconnect``: open the connection again with this backoff whenever it is lost once
+    its session was set up (:mod:`.reconnect`; each attempt has ``connect_timeout`` s).
+    """
     endpoint = driver.endpoint
-    pump = endpoint.connect(
-        addr,
-        driver.now(),
-        configuration=client_configuration(endpoint, target, tls, max_datagram_size),
-        session_config=client_session_config(target),
-        webtransport=(target.authority, target.path or "/") if target.webtransport else None,
-    )
+
+    def open_one(now: float) -> SessionPump:
+        return endpoint.connect(
+            addr,
+            now,
+            configuration=client_configuration(
+                endpoint, target, tls, max_datagram_size, idle_timeout=idle_timeout
+            ),
+            session_config=client_session_config(target),
+            webtransport=(target.authority, target.path or "/") if target.webtransport else None,
+        )
+
+    pump = open_one(driver.now())
     driver.wake()
-    return MoqtClient(driver, pump, app, url)
+    if reconnect is None:
+        return MoqtClient(driver, pump, app, url)
+    client = MoqtClient(driver, pump, app, url)
+    client.link = Link(
+        endpoint,
+        pump,
+        open_one,
+        backoff=reconnect,
+        rand=rand,
+        connect_timeout=connect_timeout,
+        target=url,
+        on_session=client._restore,
+    )
+    return client

@@ -8,7 +8,8 @@ only route; the protocol decisions stay in the core machines:
 
 * :class:`RelayApp` hands every session to one
   :class:`~kvcs_core.relay.relay.Relay`: accepted connections as downstream
-  peers, connections the relay opened itself (to a parent relay) as upstream.
+  peers, connections the relay opened itself (to a parent relay) as upstream
+  (as *links* when they are reopened on loss, :mod:`.reconnect`).
 * :class:`ClientApp` offers each event to the KVCS publishers and consumers
   that use the session (a publisher answers what concerns its namespace, a
   consumer what answers its requests) and to watchers (one-off waits such as
@@ -85,7 +86,9 @@ class RelayApp:
         self.relay = relay
 
     def connection_made(self, pump: SessionPump, now: float) -> None:
-        self.relay.add_session(pump.session, upstream=bool(pump.quic.configuration.is_client))
+        upstream = bool(pump.quic.configuration.is_client)
+        # a reconnecting upstream (a Link): what it served waits for the next one
+        self.relay.add_session(pump.session, upstream=upstream, link=upstream and pump.reconnects)
 
     def handle_session_event(self, pump: SessionPump, event: SessionEvent, now: float) -> None:
         self.relay.handle_session_event(pump.session, event, now)

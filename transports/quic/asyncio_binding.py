@@ -99,14 +99,23 @@ class AsyncioDriver:
 
     # --- callbacks -------------------------------------------------------------------------
 
+    # The endpoint isolates failures per connection; should anything escape it anyway,
+    # it is logged here and the driver goes on (an exception must never leave a callback).
+
     def _on_readable(self) -> None:
-        self.endpoint.receive_datagrams(self.udp.recv_batch(), self.now())
+        try:
+            self.endpoint.receive_datagrams(self.udp.recv_batch(), self.now())
+        except Exception as exc:
+            log.warning("endpoint input failed: %r", exc)
         self.wake()
 
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        self.endpoint.handle_timer(self.now())
+        try:
+            self.endpoint.handle_timer(self.now())
+        except Exception as exc:
+            log.warning("endpoint timer failed: %r", exc)
         self._service()
 
     def _on_writable(self) -> None:
@@ -118,7 +127,11 @@ class AsyncioDriver:
         self._scheduled = False
         if self._closed:
             return
-        out = self.endpoint.service(self.now())
+        try:
+            out = self.endpoint.service(self.now())
+        except Exception as exc:
+            log.warning("endpoint service failed: %r", exc)
+            out = []
         if self.udp.send_batch(out) and not self._writing:
             self._writing = True
             self._loop.add_writer(self.udp.fileno(), self._on_writable)

@@ -27,6 +27,10 @@ DEFAULT_PORT = 443
 MAX_DATA = 64 * 1024 * 1024
 MAX_STREAM_DATA = 16 * 1024 * 1024
 MAX_DATAGRAM_FRAME = 65536
+DEFAULT_IDLE_TIMEOUT = 30.0
+"""QUIC idle timeout (seconds) of every kvcs connection unless configured: a peer silent
+that long is taken as gone. Connections keep themselves alive meanwhile with PINGs
+(:mod:`.pump`), so a quiet session never reaches it."""
 
 
 class UrlError(ValueError):
@@ -84,10 +88,13 @@ def quic_configuration(
     tls: TlsConfig | None = None,
     server_name: str | None = None,
     max_datagram_size: int | None = None,
-    idle_timeout: float = 30.0,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     webtransport: bool = False,
 ) -> Any:
     """A ``QuicConfiguration`` of ``stack`` for a kvcs client or server.
+
+    ``idle_timeout``: seconds of silence from the peer after which QUIC ends the
+    connection (``max_idle_timeout``, RFC 9000 section 10.1; must be > 0).
 
     ``webtransport``: a client offers only ``h3`` (WebTransport); a server offers
     ``moqt-22`` and ``h3``, so both kinds of client reach it on one port.
@@ -96,6 +103,8 @@ def quic_configuration(
         alpns = [H3_ALPN] if is_client else [ALPN, H3_ALPN]
     else:
         alpns = [ALPN]
+    if not idle_timeout > 0:
+        raise ValueError(f"the idle timeout must be > 0 s, not {idle_timeout!r}")
     cfg = stack.configuration(is_client=is_client, alpn_protocols=alpns)
     cfg.max_datagram_frame_size = MAX_DATAGRAM_FRAME
     cfg.max_data = MAX_DATA

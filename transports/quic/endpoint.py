@@ -20,10 +20,24 @@ datagrams it returns. Everything else is here, free of I/O, so both drivers
   publisher, a consumer, or several) is told of each new connection and gets
   every session event with ``now``; what it commands on any session goes out
   in the same :meth:`service` call.
-* **Bounds.** At most ``max_connections`` connections (new Initials beyond it
-  are dropped, so the peer's handshake times out); each holds at most
-  ``max_unsent`` unsent bytes in its stack; :meth:`service` loops a bounded
-  number of rounds.
+* **Bounds.** At most ``max_connections`` connections, and at most
+  ``max_connections_per_address`` (default :data:`DEFAULT_MAX_PER_ADDRESS`,
+  and never more than a quarter of ``max_connections``) from one IP address,
+  so one client cannot lock the others out. A handshake over either limit is
+  refused at once: the server answers the Initial with a QUIC
+  CONNECTION_CLOSE, error CONNECTION_REFUSED (0x2, RFC 9000 section 20.1)
+  and a reason phrase naming the limit (:data:`REFUSED_PER_ADDRESS`,
+  :data:`REFUSED_FULL`), logged as a warning; a retransmitted Initial of the
+  same attempt gets the same answer again without new work (a bounded record).
+  Each connection holds at most ``max_unsent`` unsent bytes in its stack;
+  :meth:`service` loops a bounded number of rounds.
+* **Failure isolation.** Any exception raised while one connection is worked
+  on (its stack, or what its events caused) ends that connection alone,
+  logged (:meth:`~.pump.SessionPump.fail`); the endpoint and the other
+  connections go on, and no exception reaches the event-loop driver.
+* **Links** (:class:`~.reconnect.Link`): client connections that are opened
+  again, with backoff, when they end; the endpoint gives them its timer and
+  shows them their connection's events first.
 """
 
 from __future__ import annotations
@@ -52,6 +66,38 @@ MAX_SERVICE_ROUNDS = 64
 MAX_SEND_ROUNDS = 8
 """Pull-and-send rounds per :meth:`QuicEndpoint.service` while QUIC keeps taking data."""
 
+DEFAULT_MAX_CONNECTIONS = 256
+"""Connections an endpoint holds at once."""
+
+DEFAULT_MAX_PER_ADDRESS = 32
+"""Connections one IP address may hold at once (see the module docstring)."""
+
+CONNECTION_REFUSED = 0x2
+"""QUIC transport error CONNECTION_REFUSED (RFC 9000 section 20.1): a handshake over a limit."""
+
+REFUSED_PER_ADDRESS = "too many connections from this address"
+"""The reason phrase of a refusal over the per-address limit (the limit follows it)."""
+
+REFUSED_FULL = "server full"
+"""The reason phrase of a refusal over the endpoint's connection limit."""
+
+MAX_REFUSALS_REMEMBERED = 256
+"""Refused handshakes whose answer is kept to repeat for retransmitted Initials."""
+
+
+class Watcher(Protocol):
+    """Something that shadows client connections of an endpoint (a :class:`~.reconnect.Link`)."""
+
+    def handle_session_event(self, pump: SessionPump, event: SessionEvent, now: float) -> None: ...
+
+    def service(self, now: float) -> None: ...
+
+    def handle_timer(self, now: float) -> None: ...
+
+    def get_timer(self) -> float | None: ...
+
+    def stop(self) -> None: ...
+
 
 class Application(Protocol):
     """What sits on the sessions of an endpoint (see :mod:`.apps`)."""
@@ -77,8 +123,11 @@ class QuicEndpoint:
             its role (server connections) or is given per :meth:`connect`.
         max_unsent: per connection, see :class:`~.pump.SessionPump`.
         max_connections: accepted or opened connections alive at once.
+        max_connections_per_address: accepted connections alive at once from one
+            IP address (capped at a quarter of ``max_connections``, at least 1).
         webtransport: a server also accepts MOQT over WebTransport (ALPN ``h3``;
             its configuration must offer that ALPN too).
+        keepalive: connections PING a quiet peer (see :mod:`.pump`).
     """
 
     def __init__(
@@ -89,8 +138,10 @@ class QuicEndpoint:
         *,
         session_config: Callable[[Role], SessionConfig] | None = None,
         max_unsent: int = DEFAULT_MAX_UNSENT,
-        max_connections: int = 256,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
         webtransport: bool = False,
+        keepalive: bool = True,
     ) -> None:
         self.stack = stack
         self.webtransport = webtransport
@@ -99,10 +150,23 @@ class QuicEndpoint:
         self.session_config = session_config or (lambda role: SessionConfig(role=role))
         self.max_unsent = max_unsent
         self.max_connections = max_connections
+        self.max_connections_per_address = max(
+            1, min(max_connections_per_address, max_connections // 4)
+        )
+        self.keepalive = keepalive
         self.pumps: list[SessionPump] = []
+        self.links: list[Watcher] = []
+        """Reconnecting client connections (:class:`~.reconnect.Link`) on this endpoint."""
+        self.refused = 0
+        """Handshakes refused over a connection limit so far."""
         self._by_cid: dict[bytes, SessionPump] = {}
+        self._by_host: dict[Any, int] = {}
+        self._host_of: dict[SessionPump, Any] = {}
+        self._refusals: dict[bytes, list[bytes]] = {}
         self._serial = 0
         self._pending_vn: list[tuple[bytes, Any]] = []
+        self._now = 0.0
+        """The latest time an input carried (for work that is given none)."""
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -129,6 +193,7 @@ class QuicEndpoint:
         if webtransport is not None:
             config = attrs.evolve(config, webtransport=True)
         pump = self._adopt(quic, config, now, wt_target=webtransport)
+        pump.peer = addr
         quic.connect(addr, now=now)
         pump.cid_changes.append((True, quic.host_cid))
         self._update_cids(pump)
@@ -138,7 +203,7 @@ class QuicEndpoint:
         """Route one UDP datagram; garbage and strays are dropped."""
         pump = self._route(data, addr, now)
         if pump is not None:
-            pump.receive_datagram(data, addr, now)
+            self._guard(pump, "receive", now, pump.receive_datagram, data, addr, now)
             self._update_cids(pump)
 
     def receive_datagrams(self, datagrams: Iterable[tuple[bytes, Any]], now: float) -> None:
@@ -150,20 +215,34 @@ class QuicEndpoint:
             if pump is not None and pump.feed_datagram(data, addr, now) and pump not in fed:
                 fed.append(pump)
         for pump in fed:
-            pump.process_events(now)
+            self._guard(pump, "receive", now, pump.process_events, now)
             self._update_cids(pump)
 
     def handle_timer(self, now: float) -> None:
         for pump in list(self.pumps):
-            pump.handle_timer(now)
+            self._guard(pump, "timer", now, pump.handle_timer, now)
             self._update_cids(pump)
+        for link in list(self.links):
+            link.handle_timer(now)
         deadline = self.app.get_timer()
         if deadline is not None and deadline <= now:
-            self.app.handle_timer(now)
+            try:
+                self.app.handle_timer(now)
+            except Exception as exc:  # never into the driver (module docstring)
+                log.warning("application timer failed: %r", exc)
 
     def get_timer(self) -> float | None:
-        timers = [p.get_timer() for p in self.pumps]
-        timers.append(self.app.get_timer())
+        timers = []
+        for pump in list(self.pumps):
+            try:
+                timers.append(pump.get_timer())
+            except Exception as exc:
+                pump.fail("get_timer", exc, self._now)
+        timers.extend(link.get_timer() for link in self.links)
+        try:
+            timers.append(self.app.get_timer())
+        except Exception as exc:
+            log.warning("application timer failed: %r", exc)
         present = [t for t in timers if t is not None]
         return min(present) if present else None
 
@@ -177,32 +256,54 @@ class QuicEndpoint:
                 if not pump.announced and pump.handshake_complete:
                     # the session is known only now (native QUIC or WebTransport)
                     pump.announced = True
-                    self.app.connection_made(pump, now)
-                while pump.events:
-                    self.app.handle_session_event(pump, pump.events.popleft(), now)
+                    self._guard(pump, "connection_made", now, self.app.connection_made, pump, now)
+                if self._guard(pump, "events", now, self._dispatch, pump, now):
                     dispatched = True
             for pump in list(self.pumps):
-                pump.flush(now)
+                self._guard(pump, "flush", now, pump.flush, now)
             if not dispatched and not any(p.events for p in self.pumps):
                 break
         out, self._pending_vn = self._pending_vn, []
         for pump in list(self.pumps):
-            out.extend(pump.datagrams_to_send(now))
+            out.extend(self._guard(pump, "send", now, pump.datagrams_to_send, now) or ())
         for _ in range(MAX_SEND_ROUNDS):
             more = False
             for pump in list(self.pumps):
-                if pump.flush(now):
+                if self._guard(pump, "flush", now, pump.flush, now):
                     more = True
-                    out.extend(pump.datagrams_to_send(now))
+                    out.extend(self._guard(pump, "send", now, pump.datagrams_to_send, now) or ())
             if not more:
                 break
         self._reap()
+        for link in list(self.links):
+            link.service(now)
         return out
 
+    def _dispatch(self, pump: SessionPump, now: float) -> bool:
+        dispatched = False
+        while pump.events:
+            event = pump.events.popleft()
+            for link in list(self.links):
+                link.handle_session_event(pump, event, now)
+            self.app.handle_session_event(pump, event, now)
+            dispatched = True
+        return dispatched
+
+    def _guard(self, pump: SessionPump, what: str, now: float, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; an exception ends ``pump``'s connection only (module docstring)."""
+        self._now = max(self._now, now)
+        try:
+            return fn(*args)
+        except Exception as exc:
+            pump.fail(what, exc, now)
+            return None
+
     def close(self, now: float, code: int = 0, reason: str = "") -> None:
-        """Close every session (their connections close with ``code``)."""
+        """Close every session (their connections close with ``code``); links stop."""
+        for link in list(self.links):
+            link.stop()
         for pump in list(self.pumps):
-            pump.close(code, reason, now)
+            self._guard(pump, "close", now, pump.close, code, reason, now)
 
     @property
     def idle(self) -> bool:
@@ -252,21 +353,53 @@ class QuicEndpoint:
             return None
         if header.packet_type != self.stack.packet_type_initial or len(data) < SMALLEST_INITIAL:
             return None
-        if len(self.pumps) >= self.max_connections:
-            log.warning(
-                "connection limit (%d) reached; dropping a new connection from %s",
-                self.max_connections,
+        host = _host(addr)
+        held = self._by_host.get(host, 0)
+        if held >= self.max_connections_per_address:
+            self._refuse(
+                data,
+                header,
                 addr,
+                now,
+                f"{REFUSED_PER_ADDRESS} (limit {self.max_connections_per_address})",
             )
+            return None
+        if len(self.pumps) >= self.max_connections:
+            self._refuse(data, header, addr, now, f"{REFUSED_FULL} (limit {self.max_connections})")
             return None
         quic = self.stack.connection(
             configuration=self.configuration,
             original_destination_connection_id=header.destination_cid,
         )
         pump = self._adopt(quic, self.session_config(Role.SERVER), now)
+        pump.peer = addr
+        self._by_host[host] = held + 1
+        self._host_of[pump] = host
         self._by_cid[header.destination_cid] = pump
         pump.cid_changes.append((True, quic.host_cid))
         return pump
+
+    def _refuse(self, data: bytes, header: Any, addr: Any, now: float, reason: str) -> None:
+        """Answer a new connection's Initial with CONNECTION_CLOSE CONNECTION_REFUSED."""
+        dcid = header.destination_cid
+        answer = self._refusals.get(dcid)
+        if answer is None:
+            self.refused += 1
+            log.warning("refusing a new connection from %s: %s", _host(addr), reason)
+            answer = []
+            try:
+                quic = self.stack.connection(
+                    configuration=self.configuration, original_destination_connection_id=dcid
+                )
+                quic.receive_datagram(data, addr, now)
+                quic.close(error_code=CONNECTION_REFUSED, frame_type=0, reason_phrase=reason)
+                answer = [d for d, _ in self.stack.datagrams_to_send(quic, now)]
+            except Exception as exc:  # the refusal is best effort: the peer then times out
+                log.debug("refusal to %s not built: %s", addr, exc)
+            if len(self._refusals) >= MAX_REFUSALS_REMEMBERED:
+                del self._refusals[next(iter(self._refusals))]
+            self._refusals[dcid] = answer
+        self._pending_vn.extend((d, addr) for d in answer)
 
     def _adopt(
         self, quic: Any, config: SessionConfig, now: float, wt_target: tuple[str, str] | None = None
@@ -281,6 +414,7 @@ class QuicEndpoint:
             label=f"{role}#{self._serial}",
             webtransport=self.webtransport,
             wt_target=wt_target,
+            keepalive=self.keepalive,
         )
         self.pumps.append(pump)
         return pump
@@ -298,3 +432,15 @@ class QuicEndpoint:
             self.pumps.remove(pump)
             for cid in [c for c, p in self._by_cid.items() if p is pump]:
                 del self._by_cid[cid]
+            host = self._host_of.pop(pump, None)
+            if host is not None:
+                left = self._by_host.get(host, 1) - 1
+                if left > 0:
+                    self._by_host[host] = left
+                else:
+                    self._by_host.pop(host, None)
+
+
+def _host(addr: Any) -> Any:
+    """The IP address of a UDP address (what the per-address limit counts)."""
+    return addr[0] if isinstance(addr, tuple) and addr else addr

@@ -34,6 +34,15 @@ come out.
   connection termination reaches the session as ``TransportClosed``. An
   exception raised by the stack itself ends this one connection the same
   way (logged as a warning), never the endpoint and its other connections.
+  Every connection that ends is logged once, with who ended it, the code and
+  the reason (INFO for a clean close, WARNING otherwise: an error code, the
+  idle timeout, a stack failure).
+* **Keep-alive.** With ``keepalive`` on, a connection that has heard nothing
+  from its peer for a third of the idle timeout (the smaller of ours and the
+  peer's where the stack tells it; at most :data:`MAX_KEEPALIVE_INTERVAL`)
+  sends a QUIC PING (RFC 9000 section 10.1.2: an ack-eliciting packet whose
+  acknowledgement restarts both idle timers), so a quiet session lives as long
+  as both ends do, and a dead peer is still noticed within the idle timeout.
 """
 
 from __future__ import annotations
@@ -81,6 +90,21 @@ H3_NO_ERROR = 0x100
 QUIC_INTERNAL_ERROR = 0x1
 """The code reported to the session when the QUIC stack itself failed on this connection."""
 
+MAX_KEEPALIVE_INTERVAL = 15.0
+"""The longest silence (seconds) before a keep-alive PING, whatever the idle timeout."""
+
+
+def keepalive_interval(idle_timeout: float, peer_idle_timeout: float | None = None) -> float:
+    """Seconds of silence from the peer after which a connection PINGs (module docstring)."""
+    idle = idle_timeout if peer_idle_timeout is None else min(idle_timeout, peer_idle_timeout)
+    return max(0.05, min(idle / 3.0, MAX_KEEPALIVE_INTERVAL))
+
+
+def _addr(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
+    return "?" if addr is None else str(addr)
+
 
 class SessionPump:
     """Binds one ``QuicConnection`` of any aioquic-compatible stack to one ``MoqtSession``."""
@@ -95,6 +119,8 @@ class SessionPump:
         label: str = "",
         webtransport: bool = False,
         wt_target: tuple[str, str] | None = None,
+        keepalive: bool = False,
+        peer: Any = None,
     ) -> None:
         self.stack = stack
         self.quic = quic
@@ -127,6 +153,15 @@ class SessionPump:
         self.announced = False
         """The endpoint told its application about this connection (after the handshake,
         once it is known whether the session runs over QUIC or WebTransport)."""
+        self.peer = peer
+        """The peer's UDP address (the last one a datagram came from)."""
+        self.keepalive = keepalive
+        self.reconnects = False
+        """The embedding opens this connection again when it ends (a :class:`~.reconnect.Link`)."""
+        self._last_heard: float | None = None
+        self._last_ping: float | None = None
+        self._pings = 0
+        self._logged_end = False
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -140,6 +175,8 @@ class SessionPump:
         the stack has failed."""
         if self._stack_failed:
             return False
+        self.peer = addr
+        self._last_heard = now
         try:
             self.quic.receive_datagram(data, addr, now)
         except Exception as exc:  # a stack failure ends this connection only
@@ -155,6 +192,15 @@ class SessionPump:
     def handle_timer(self, now: float) -> None:
         if self._stack_failed:
             return
+        ping_at = self._keepalive_at()
+        if ping_at is not None and ping_at <= now:
+            self._pings += 1
+            self._last_ping = now
+            try:
+                self.quic.send_ping(self._pings)
+            except Exception as exc:  # a stack failure ends this connection only
+                self._on_stack_failure("send_ping", exc, now)
+                return
         quic_timer = self.quic.get_timer()
         if quic_timer is not None and quic_timer <= now:
             try:
@@ -172,11 +218,31 @@ class SessionPump:
     def get_timer(self) -> float | None:
         if self._stack_failed:
             return None
-        timers = [self.quic.get_timer()]
+        timers = [self.quic.get_timer(), self._keepalive_at()]
         if self.handshake_complete and not self.terminated:
             timers.append(self.session.get_timer())
         present = [t for t in timers if t is not None]
         return min(present) if present else None
+
+    def _keepalive_at(self) -> float | None:
+        """When the next keep-alive PING is due (``None``: none is)."""
+        if (
+            not self.keepalive
+            or self.alpn is None  # the handshake has not completed
+            or self.terminated
+            or self._closing
+            or self._last_heard is None
+        ):
+            return None
+        peer_idle = getattr(self.quic, "_remote_max_idle_timeout", None)  # aioquic only
+        interval = keepalive_interval(
+            float(self.quic.configuration.idle_timeout),
+            float(peer_idle) if isinstance(peer_idle, int | float) and peer_idle > 0 else None,
+        )
+        last = self._last_heard
+        if self._last_ping is not None and self._last_ping > last:
+            last = self._last_ping
+        return last + interval
 
     # --- outputs -------------------------------------------------------------------------
 
@@ -212,7 +278,11 @@ class SessionPump:
         """Object and control bytes handed to QUIC that it has not sent once yet."""
         total = 0
         for sid in list(self._unsent_streams):
-            n = self.stack.unsent_bytes(self.quic, sid)
+            try:
+                n = self.stack.unsent_bytes(self.quic, sid)
+            except Exception as exc:  # e.g. qh3 on a stream it has dropped
+                log.debug("%s: stream %d: no send-buffer size: %s", self.label, sid, exc)
+                n = 0
             if n:
                 total += n
             else:
@@ -330,6 +400,7 @@ class SessionPump:
             )
         if self.handshake_complete and not self.terminated:
             self.terminated = True
+            self._log_end("closed by the peer (WebTransport)", item.code)
             self.session.handle_transport_event(
                 TransportClosed(code=item.code, reason=item.reason, by_peer=True), now
             )
@@ -344,6 +415,14 @@ class SessionPump:
             self.close_reason = (
                 f"{qe.reason_phrase or 'connection closed'} (code {qe.error_code:#x})"
             )
+        phrase = (qe.reason_phrase or "").lower()
+        if "idle" in phrase:
+            how = f"idle timeout ({float(self.quic.configuration.idle_timeout):g} s)"
+        elif self._closing:
+            how = "closed by us"
+        else:
+            how = "closed by the peer or the QUIC stack"
+        self._log_end(how, qe.error_code)
         if self.handshake_complete:
             self.session.handle_transport_event(
                 TransportClosed(
@@ -355,18 +434,68 @@ class SessionPump:
 
     def _on_stack_failure(self, what: str, exc: Exception, now: float) -> None:
         """The stack raised: give the connection up (nothing more is sent or read on it)."""
-        log.warning("%s: QUIC stack error in %s: %s; connection dropped", self.label, what, exc)
         self._stack_failed = True
+        if self.terminated:  # it had ended already (e.g. qh3: "connection is closed")
+            log.debug("%s: after its end, %s raised: %s", self.label, what, exc)
+            return
+        log.warning("%s: QUIC stack error in %s: %s; connection dropped", self.label, what, exc)
         if self.close_reason is None:
             self.close_reason = f"QUIC stack error: {exc}"
-        if self.terminated:
-            return
         self.terminated = True
+        self._log_end(f"QUIC stack error in {what}", QUIC_INTERNAL_ERROR)
         if self.handshake_complete:
             self.session.handle_transport_event(
                 TransportClosed(code=QUIC_INTERNAL_ERROR, reason=str(exc), by_peer=False), now
             )
             self._drain_session()
+
+    def fail(self, what: str, exc: Exception, now: float) -> None:
+        """Give this connection up after ``exc`` escaped work on it (the endpoint's guard).
+        What the stack reported first (its own end of the connection) is taken in."""
+        try:
+            if not self._stack_failed and not self.terminated:
+                self._process_quic_events(now)
+        except Exception as again:
+            log.debug("%s: events after a failure not read: %s", self.label, again)
+        try:
+            self._on_stack_failure(what, exc, now)
+        except Exception as again:  # the session failed too: nothing more is done for it
+            log.warning("%s: giving the connection up failed too: %s", self.label, again)
+            self.terminated = True
+            self.events.clear()
+
+    def abandon(self, reason: str, now: float) -> None:
+        """Give the connection up now, without waiting for the stack (an attempt that took
+        too long); the endpoint reaps it."""
+        if self.terminated:
+            return
+        if self.close_reason is None:
+            self.close_reason = reason
+        self._close_quic(QUIC_INTERNAL_ERROR, reason, transport=True)
+        self.terminated = True
+        self._log_end("given up by us", QUIC_INTERNAL_ERROR, clean=False)
+        if self.handshake_complete:
+            self.session.handle_transport_event(
+                TransportClosed(code=QUIC_INTERNAL_ERROR, reason=reason, by_peer=False), now
+            )
+            self._drain_session()
+
+    def _log_end(self, how: str, code: int, *, clean: bool | None = None) -> None:
+        """The one log line of a connection that ended (module docstring)."""
+        if self._logged_end:
+            return
+        self._logged_end = True
+        if clean is None:
+            clean = code in (0, H3_NO_ERROR) and "idle" not in how and "error" not in how
+        reason = self.close_reason or f"no reason given (code {code:#x})"
+        log.log(
+            logging.INFO if clean else logging.WARNING,
+            "%s: connection with %s ended, %s: %s",
+            self.label,
+            _addr(self.peer),
+            how,
+            reason,
+        )
 
     def _peer_ref(self, sid: int, now: float) -> StreamRef | None:
         ref = self._ref_of.get(sid)
@@ -451,6 +580,8 @@ class SessionPump:
             if cmd.fin and not cmd.chunks:
                 self.quic.send_stream_data(sid, b"", True)
         except (AssertionError, ValueError) as exc:  # the stack closed the stream itself
+            # (anything else, e.g. qh3's QuicConnectionError, ends the connection: the
+            # endpoint's guard calls fail())
             log.debug("%s: stream %d refused a write: %s", self.label, sid, exc)
             self._send_done.add(sid)
             return n

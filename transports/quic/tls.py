@@ -5,13 +5,14 @@ it trusts. :class:`TlsConfig` says both. :func:`self_signed` makes a P-256
 server certificate for ``localhost`` and ``127.0.0.1`` signed by a throwaway
 local CA (valid one day, from the ``cryptography`` package) and writes them as
 PEM files into a directory, because both aioquic and qh3 load certificates
-from files.
+from files; the key file is created readable by its owner only (0600).
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from pathlib import Path
 
 import attrs
@@ -131,12 +132,15 @@ def self_signed(
     certfile, keyfile = directory / "cert.pem", directory / "key.pem"
     cafile.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
     )
+    # readable by the owner only from its creation on (never under a looser umask)
+    keyfile.unlink(missing_ok=True)
+    fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(pem)
     keyfile.chmod(0o600)
     return TlsConfig(certfile=str(certfile), keyfile=str(keyfile), cafile=str(cafile))

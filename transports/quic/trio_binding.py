@@ -14,7 +14,9 @@ service every ``wait_for`` re-checks its predicate. The clock is
 
 Entry points mirror :mod:`.asyncio_binding`: ``serve_relay(...)`` and
 ``connect(url, ...)``, async context managers returning the objects of
-:mod:`.api`.
+:mod:`.api`. Every nursery here is wrapped in :func:`.groups.single_errors`,
+so callers get one typed error (``ConnectError``, ``KeyboardInterrupt``, ...)
+with strict exception groups (trio 0.25 and later) and without.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import trio
 from ._entry import client_session, relay_server
 from .api import ConnectError, MoqtClient, RelayServer
 from .endpoint import QuicEndpoint
+from .groups import single_errors
 from .udp import UdpSocket
 
 log = logging.getLogger("kvcs.quic")
@@ -77,10 +80,11 @@ class TrioDriver:
                 await changed.wait()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._reader)
-            nursery.start_soon(self._ticker)
-            task_status.started()
+        with single_errors():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._reader)
+                nursery.start_soon(self._ticker)
+                task_status.started()
 
     async def aclose(self, timeout: float = 1.0) -> None:
         if self._closed:
@@ -97,9 +101,10 @@ class TrioDriver:
     async def _reader(self) -> None:
         while not self._closed:
             await trio.lowlevel.wait_readable(self.udp.sock)
-            now = self.now()
-            for data, addr in self.udp.recv_batch():
-                self.endpoint.receive_datagram(data, addr, now)
+            try:
+                self.endpoint.receive_datagrams(self.udp.recv_batch(), self.now())
+            except Exception as exc:  # isolated per connection by the endpoint; never here
+                log.warning("endpoint input failed: %r", exc)
             await self._service(poke_ticker=True)
 
     async def _ticker(self) -> None:
@@ -110,13 +115,20 @@ class TrioDriver:
             self._wakeup = trio.Event()
             now = self.now()
             if deadline is not None and deadline <= now:
-                self.endpoint.handle_timer(now)
+                try:
+                    self.endpoint.handle_timer(now)
+                except Exception as exc:
+                    log.warning("endpoint timer failed: %r", exc)
             await self._service(poke_ticker=False)
 
     async def _service(self, *, poke_ticker: bool) -> None:
         if self._closed:
             return
-        out = self.endpoint.service(self.now())
+        try:
+            out = self.endpoint.service(self.now())
+        except Exception as exc:
+            log.warning("endpoint service failed: %r", exc)
+            out = []
         while self.udp.send_batch(out):
             out = []
             await trio.lowlevel.wait_writable(self.udp.sock)
@@ -132,13 +144,14 @@ async def open_endpoint(endpoint: QuicEndpoint, host: str, port: int) -> AsyncIt
     udp = UdpSocket(host, port)
     driver = TrioDriver(endpoint, udp)
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(driver.run)
-            try:
-                yield driver
-            finally:
-                await driver.aclose()
-                nursery.cancel_scope.cancel()
+        with single_errors():  # one typed error whatever the trio version (.groups)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(driver.run)
+                try:
+                    yield driver
+                finally:
+                    await driver.aclose()
+                    nursery.cancel_scope.cancel()
     finally:
         udp.close()
 
@@ -176,7 +189,8 @@ async def gather(*jobs: Callable[[], Any]) -> list[Any]:
     async def one(i: int) -> None:
         results[i] = await jobs[i]()
 
-    async with trio.open_nursery() as nursery:
-        for i in range(len(jobs)):
-            nursery.start_soon(one, i)
+    with single_errors():  # the first error, as asyncio's gather
+        async with trio.open_nursery() as nursery:
+            for i in range(len(jobs)):
+                nursery.start_soon(one, i)
     return results
