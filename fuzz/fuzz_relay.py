@@ -130,7 +130,8 @@ class RelayUnderTest:
         self.served: dict[int, FullTrackName] = {}
         self.subs: list[MoqtSession | None] = [None] * SUBSCRIBERS
         self.requests: list[list[int]] = [[] for _ in range(SUBSCRIBERS)]
-        self.net.on_event(self._on_event)
+        self.relay_sessions: list[MoqtSession] = []
+        self.net.on_event(self._on_event, scoped=True)
         self._new_publisher()
 
     # --- building -----------------------------------------------------------------------
@@ -149,6 +150,7 @@ class RelayUnderTest:
         up = MoqtSession(self._config(Role.CLIENT))
         pub = MoqtSession(self._config(Role.SERVER))
         self.owned.add(id(up))
+        self.relay_sessions.append(up)
         self.relay.add_session(up, upstream=True)
         self.stores = {name: TrackStore(name) for name in TRACKS}
         self.served = {}
@@ -164,6 +166,7 @@ class RelayUnderTest:
             down = MoqtSession(self._config(Role.SERVER))
             s = MoqtSession(self._config(Role.CLIENT))
             self.owned.add(id(down))
+            self.relay_sessions.append(down)
             self.relay.add_session(down, upstream=False)
             self.subs[k] = s
             self.requests[k] = []
@@ -172,15 +175,21 @@ class RelayUnderTest:
 
     # --- the applications ---------------------------------------------------------------
 
-    def _on_event(self, machine: Any, e: Any) -> None:
+    def _on_event(self, machine: Any, e: Any) -> list[MoqtSession]:
+        """Hand ``e`` to its application; returns the sessions that may have changed
+        (the loopback drains only those again: ``Network.on_event(scoped=True)``)."""
         now = self.net.now
-        if id(machine) in self.owned:
+        if id(machine) in self.owned:  # the relay acts on any of its own sessions only
             self._timed(self.relay.handle_session_event, machine, e, now)
             self._fire()
-        elif machine is self.pub:
+            return self.relay_sessions
+        if machine is self.pub:
             self._publisher(machine, e, now)
-        elif isinstance(e, ev.PublishRequested):  # a subscriber: accept PUBLISHes
+            return [machine]
+        if isinstance(e, ev.PublishRequested):  # a subscriber: accept PUBLISHes
             machine.accept_publish(e.request_id, now=now)
+            return [machine]
+        return []
 
     def _publisher(self, s: MoqtSession, e: Any, now: float) -> None:
         if isinstance(e, ev.SubscribeRequested | ev.FetchRequested | ev.TrackStatusRequested):
