@@ -586,6 +586,64 @@ def test_on_event_callback_may_command_machines() -> None:
     assert seen == [("b", 0.1), ("a", pytest.approx(0.2)), ("a", pytest.approx(0.2))]
 
 
+class Counting(Peer):
+    """A Peer that counts how often the network asked for its timer (drained it)."""
+
+    def __init__(self, name: str, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.drains = 0
+
+    def get_timer(self) -> float | None:
+        self.drains += 1
+        return super().get_timer()
+
+
+def _two_links(scoped: bool) -> tuple[Network, list[Counting]]:
+    """a -> b on one link; b's callback makes d (on a second link) write to c."""
+    net = Network(trace=True)
+    a, b, c, d = (Counting(n) for n in "abcd")
+    net.connect(a, b, latency=0.1)
+    net.connect(c, d, latency=0.1)
+
+    def react(machine: Any, ev: Any) -> list[Counting] | None:
+        if machine is b and isinstance(ev.event, StreamOpened):
+            d.write(d.open(uni=True), b"relayed", fin=True)
+            return [d]
+        return []
+
+    net.on_event(react, scoped=scoped)
+    a.write(a.open(uni=True), b"hello", fin=True)
+    net.run_until(lambda: bool(c.fins()))
+    return net, [a, b, c, d]
+
+
+def test_scoped_callback_drains_only_the_machines_it_names() -> None:
+    plain, before = _two_links(scoped=False)
+    scoped, after = _two_links(scoped=True)
+    assert scoped.trace == plain.trace and scoped.now == plain.now == pytest.approx(0.2)
+    assert after[2].received(P(0)) == b"relayed"
+    # a, untouched by any callback and given no input after its write, is drained less
+    assert after[0].drains < before[0].drains
+
+
+def test_a_callback_may_touch_a_machine_drained_earlier_in_the_same_pass() -> None:
+    """A machine drained before the callback ran is drained again (it may have output)."""
+    net = Network()
+    a, b = Peer("a"), Peer("b")
+    net.connect(a, b)  # link order: a, then b
+
+    def react(machine: Any, ev: Any) -> list[Peer]:
+        if machine is b and ev.event == StreamOpened(stream=P(0), uni=True):
+            a.write(a.open(uni=True), b"more", fin=True)
+            return [a]
+        return []
+
+    net.on_event(react, scoped=True)
+    a.write(a.open(uni=True), b"first", fin=True)
+    net.run_until(lambda: len(b.fins()) == 2)
+    assert (b.received(P(0)), b.received(P(1))) == (b"first", b"more")
+
+
 # --- injection, one link per machine, determinism ------------------------------------------------
 
 

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvcs_core.moqt.protocol import Machine, drain
-from kvcs_core.moqt.transport_io import DatagramReceived, StreamData, TransportEvent
+from kvcs_core.moqt.protocol import Machine
+from kvcs_core.moqt.transport_io import (
+    DatagramReceived,
+    StreamData,
+    TransportCommand,
+    TransportEvent,
+)
 
 from ._link import Endpoint, Link, _Delivery
 from ._policy import Chunking, Livelock, LoopbackError, LoopbackTimeout, TraceRecord
 
-EventCallback = Callable[[Machine[Any], Any], None]
+EventCallback = Callable[[Machine[Any], Any], Any]
+ScopedEventCallback = Callable[[Machine[Any], Any], "Iterable[Machine[Any]] | None"]
 MAX_DRAIN_PASSES = 1000
 """Rounds of "drain every machine" after callbacks before a callback loop is a Livelock."""
 
@@ -37,8 +43,14 @@ class Network:
         self._deadlines: list[float | None] = []  # parallel to _machines
         self._index: dict[int, int] = {}  # id(machine) -> position in _machines
         self._events: list[list[Any]] = []  # parallel to _machines
+        # Skipping quiet machines (see _drain_all): ``_gen`` counts the moments at which
+        # any machine may have changed without an input from the network (an on_event
+        # callback ran, or a public driver was entered after local commands);
+        # ``_drained_gen[i]`` is the ``_gen`` at machine i's last drain.
+        self._gen = 0
+        self._drained_gen: list[int] = []  # parallel to _machines
         self._keep_events = keep_events
-        self._callbacks: list[EventCallback] = []
+        self._callbacks: list[tuple[EventCallback, bool]] = []  # (callback, scoped)
         self._queue: list[tuple[float, int, Link, _Delivery]] = []
         self._seq = 0
         self.trace: list[TraceRecord] | None = [] if trace else None
@@ -128,6 +140,7 @@ class Network:
             self._machines.append(ep.machine)
             self._deadlines.append(None)
             self._events.append([])
+            self._drained_gen.append(-1)
         for ep in link.endpoints:  # a machine may have queued output before it was linked
             self._settle(ep.machine)
         return link
@@ -148,13 +161,19 @@ class Network:
         self.endpoint(machine)
         return self._events[self._index[id(machine)]]
 
-    def on_event(self, callback: EventCallback) -> None:
+    def on_event(self, callback: EventCallback, *, scoped: bool = False) -> None:
         """Call ``callback(machine, event)`` for every event drained from any machine.
 
         The callback may call local commands on any machine; the network drains
         every machine afterwards (in link order) until they are quiet.
+
+        With ``scoped=True`` the callback returns the machines it may have changed
+        (called local commands on, or changed what they serve), ``()`` for none, or
+        ``None`` for "any"; only those are drained again, which saves work on a
+        network of many machines. What the machines see is the same as without
+        ``scoped`` as long as the callback names every machine it changed.
         """
-        self._callbacks.append(callback)
+        self._callbacks.append((callback, scoped))
 
     def next_time(self) -> float | None:
         """When something is next due: a delivery, a machine timer or a pacing slot.
@@ -299,6 +318,7 @@ class Network:
         for link in self._links:
             for ep in link.endpoints:
                 ep._backlogged = True
+        self._gen += 1
         self._drain_all()
 
     def _advance(self, t: float) -> None:
@@ -344,9 +364,12 @@ class Network:
                 m.handle_timer(now)
                 self._settle(m)
                 happened = True
-        # 3. data
+        # 3. data (an endpoint that is not backlogged returned None from its last
+        #    poll_data and got no input since, so it has nothing: see next_time)
         for link in self._links:
             for ep in link.endpoints:
+                if not ep._backlogged:
+                    continue
                 got = link._pull(ep)
                 if got is not None:  # polled: poll_data may have produced output too
                     self._settle(ep.machine)
@@ -368,44 +391,73 @@ class Network:
         ep.machine.handle_transport_event(event, self._now)
         self._settle(ep.machine)
 
-    def _drain_one(self, machine: Machine[Any]) -> tuple[bool, bool]:
-        """Drain one machine; returns (it produced output, a callback ran)."""
-        i = self._index[id(machine)]
-        out = drain(machine)
-        self._deadlines[i] = out.deadline
-        ep = self._endpoints[id(machine)]
-        if out.commands:
+    def _drain_one(self, machine: Machine[Any], i: int = -1) -> tuple[bool, bool]:
+        """Drain one machine (at position ``i`` when known); returns (it produced output,
+        a callback may have changed a machine). The order is
+        ``kvcs_core.moqt.protocol.drain``'s: commands, timer, events."""
+        if i < 0:
+            i = self._index[id(machine)]
+        next_command = machine.next_command
+        commands: list[TransportCommand] = []
+        while (cmd := next_command()) is not None:
+            commands.append(cmd)
+        self._deadlines[i] = machine.get_timer()
+        next_event = machine.next_event
+        events: list[Any] = []
+        while (e := next_event()) is not None:
+            events.append(e)
+        self._drained_gen[i] = self._gen
+        if commands:
+            ep = self._endpoints[id(machine)]
             ep._backlogged = True
-        for cmd in out.commands:
-            ep.link._apply(ep, cmd)
+            for cmd in commands:
+                ep.link._apply(ep, cmd)
         called = False
-        for ev in out.events:
-            if self._keep_events:
-                self._events[i].append(ev)
-            for cb in self._callbacks:
-                cb(machine, ev)
-                called = True
-        return bool(out.commands or out.events), called
+        if events:
+            for e in events:
+                if self._keep_events:
+                    self._events[i].append(e)
+                for cb, scoped in self._callbacks:
+                    touched = cb(machine, e)
+                    if scoped and touched is not None:
+                        for t in touched:
+                            self._drained_gen[self._index[id(t)]] = -1
+                            self._endpoints[id(t)]._backlogged = True
+                            called = True
+                    else:  # it may have touched any machine
+                        self._gen += 1
+                        for link in self._links:
+                            for ep in link.endpoints:
+                                ep._backlogged = True
+                        called = True
+        return bool(commands or events), called
 
     def _settle(self, machine: Machine[Any]) -> None:
         """Drain ``machine``; if a callback ran, drain everyone until quiet."""
         _, called = self._drain_one(machine)
         if called:
-            for link in self._links:
-                for ep in link.endpoints:
-                    ep._backlogged = True
             self._drain_all()
 
     def _drain_all(self) -> None:
+        """Drain every machine, in link order, until a pass finds them all quiet.
+
+        A machine is drained again only if it may have new output: it was drained
+        before the last callback ran or public driver was entered (``_gen``), or a
+        scoped callback named it. One drained after that and given no input since
+        holds no commands or events and the same timer, so draining it again would
+        change nothing. (Inputs from the network, ``handle_transport_event``,
+        ``handle_timer`` and ``poll_data``, are each followed by a drain of their
+        machine, see ``_settle``.)
+        """
+        machines = self._machines
+        drained = self._drained_gen
         for _ in range(MAX_DRAIN_PASSES):
             busy = False
-            for m in self._machines:
-                produced, called = self._drain_one(m)
+            for i, m in enumerate(machines):
+                if drained[i] == self._gen:
+                    continue
+                produced, _ = self._drain_one(m, i)
                 busy = busy or produced
-                if called:
-                    for link in self._links:
-                        for ep in link.endpoints:
-                            ep._backlogged = True
             if not busy:
                 return
         raise Livelock(
