@@ -260,5 +260,5 @@ def test_fetch_timeout_bounds_a_retrieval_whose_layers_never_come(procs: Procs) 
     procs.finish(fetch, timeout=60)
     took = time.monotonic() - t0
     assert fetch.returncode == 1, (fetch.returncode, procs.stderr("fetch"))
-    assert "did not finish in time" in one_error_line(procs.stderr("fetch"))
+    assert "did not finish within --fetch-timeout 4 s" in one_error_line(procs.stderr("fetch"))
     assert took < 40, took
