@@ -100,10 +100,15 @@ class _Recording:
         return [e for e in self.events if isinstance(e, kind)]
 
 
-async def _scenario(client_stack: str, tls: TlsConfig) -> None:
+async def _scenario(client_stack: str, tls: TlsConfig, webtransport: bool) -> None:
     st = load_stack("aioquic")
     server_app = _Accepting()
-    server = QuicEndpoint(st, quic_configuration(st, is_client=False, tls=tls), server_app)
+    server = QuicEndpoint(
+        st,
+        quic_configuration(st, is_client=False, tls=tls, webtransport=webtransport),
+        server_app,
+        webtransport=webtransport,
+    )
     client_app = _Recording()
     cst = load_stack(client_stack)
     client = QuicEndpoint(
@@ -114,7 +119,7 @@ async def _scenario(client_stack: str, tls: TlsConfig) -> None:
         b.open_endpoint(client, "127.0.0.1", 0) as cdrv,
     ):
         port = sdrv.udp.address[1]
-        url = parse_url(f"moqt://127.0.0.1:{port}")
+        url = parse_url(f"{'https' if webtransport else 'moqt'}://127.0.0.1:{port}/moq")
         pump = client.connect(
             ("127.0.0.1", port),
             cdrv.now(),
@@ -122,21 +127,22 @@ async def _scenario(client_stack: str, tls: TlsConfig) -> None:
             session_config=attrs.evolve(
                 client_session_config(url), request_timeout=REQUEST_TIMEOUT
             ),
+            webtransport=(url.authority, url.path) if webtransport else None,
         )
         cdrv.wake()
         await cdrv.wait_for(lambda: pump.session.setup_complete or pump.terminated, WAIT)
         assert pump.session.setup_complete, pump.close_reason
         s = pump.session
-        total = SERVER_CREDIT + EXTRA
+        # over WebTransport the CONNECT stream takes one of the server's 128 bidi streams
+        credit = SERVER_CREDIT - (1 if webtransport else 0)
+        total = credit + EXTRA
         rids = [
             s.subscribe(FullTrackName(NS, f"t{i}".encode()), now=cdrv.now()) for i in range(total)
         ]
         cdrv.wake()
-        await sdrv.wait_for(
-            lambda: len(server_app.accepted) >= SERVER_CREDIT or pump.terminated, WAIT
-        )
+        await sdrv.wait_for(lambda: len(server_app.accepted) >= credit or pump.terminated, WAIT)
         await cdrv.wait_for(
-            lambda: len(client_app.of(ev.SubscribeAccepted)) >= SERVER_CREDIT or pump.terminated,
+            lambda: len(client_app.of(ev.SubscribeAccepted)) >= credit or pump.terminated,
             WAIT,
         )
         # three request timeouts: the requests beyond the credit wait, the session stays
@@ -148,7 +154,7 @@ async def _scenario(client_stack: str, tls: TlsConfig) -> None:
             if e.code == SessionErrorCode.CONTROL_MESSAGE_TIMEOUT
         ]
         assert not timeouts and not s.is_closed, (timeouts, pump.close_reason)
-        assert len(server_app.accepted) == SERVER_CREDIT, "the server saw more than it allowed"
+        assert len(server_app.accepted) == credit, "the server saw more than it allowed"
         assert s.held_requests == EXTRA
         # the client ends some subscriptions: their streams close, the server's QUIC
         # grants as many new ones, and the held requests go out, oldest first
@@ -161,10 +167,11 @@ async def _scenario(client_stack: str, tls: TlsConfig) -> None:
         )
         assert not s.is_closed, pump.close_reason
         assert s.held_requests == 0
-        assert server_app.accepted[SERVER_CREDIT:] == rids[SERVER_CREDIT:]
+        assert server_app.accepted[credit:] == rids[credit:]
         assert not server_app.closed
 
 
+@pytest.mark.parametrize("webtransport", [False, True], ids=["quic", "webtransport"])
 @pytest.mark.parametrize(
     "client_stack",
     [
@@ -173,6 +180,6 @@ async def _scenario(client_stack: str, tls: TlsConfig) -> None:
     ],
 )
 def test_requests_beyond_the_stream_credit_wait_instead_of_closing_the_session(
-    client_stack: str, tls: TlsConfig
+    client_stack: str, webtransport: bool, tls: TlsConfig
 ) -> None:
-    asyncio.run(asyncio.wait_for(_scenario(client_stack, tls), SCENARIO_TIMEOUT))
+    asyncio.run(asyncio.wait_for(_scenario(client_stack, tls, webtransport), SCENARIO_TIMEOUT))
