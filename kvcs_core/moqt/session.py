@@ -28,7 +28,9 @@ made while it is used up is held unsent (:mod:`output`, at most
 were made as the credit grows, and only then does their CONTROL_MESSAGE_TIMEOUT
 timer start (the peer cannot answer what it has not seen). Updates and cancels
 of a held request wait with it; a held request that is cancelled is dropped
-without ever being sent.
+without ever being sent. (A held PUBLISH's objects are not held: as when a QUIC
+stack queued the stream itself, they may reach the peer before the PUBLISH, which
+buffers them under an unknown Track Alias, bounded there.)
 
 Request and data streams may arrive before the peer's SETUP; they are buffered
 (bounded by ``SessionConfig.max_pre_setup_bytes``) and replayed once it arrives
