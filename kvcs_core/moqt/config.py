@@ -48,7 +48,18 @@ class SessionConfig:
     setup_timeout: float = 10.0
     """Peer SETUP not received this long after start -> close CONTROL_MESSAGE_TIMEOUT."""
     request_timeout: float = 30.0
-    """A request of ours unanswered this long -> close CONTROL_MESSAGE_TIMEOUT (d21 12.2)."""
+    """A request of ours unanswered this long -> close CONTROL_MESSAGE_TIMEOUT (d21 12.2).
+    It runs from when the request's stream is opened within the peer's stream credit
+    (``max_held_requests``), never while the request waits for that credit."""
+    max_held_requests: int = 1024
+    """Requests of ours held locally, unsent, while the peer's bidirectional stream
+    credit (QUIC MAX_STREAMS, reported by the transport as ``StreamCredit``) is used up;
+    they go out in order as the credit grows. Only the application's own requests are
+    held (nothing the peer sends adds one). One more -> the request method raises
+    ``LocalProtocolError`` ("too many requests waiting for stream credit") and nothing is
+    sent. Kept well below the peer's Request ID window (ours: ``max_request_id_window``):
+    REQUEST_UPDATEs on open requests go out while older requests are held, so the peer
+    sees those IDs out of order (Ambiguity A28)."""
 
     max_control_message_size: int = 65535
     """Largest control message body we accept (the wire allows 65535). A larger Length

@@ -20,6 +20,18 @@ Streams (d21 section 6.3, wire reference 3.3):
   (:mod:`receiving` decodes what we receive, :mod:`publishing` produces what
   we send).
 
+Stream credit: a request of ours needs a bidirectional stream, and the peer
+limits how many we may open (QUIC MAX_STREAMS). When the transport reports
+that limit (:class:`~kvcs_core.moqt.transport_io.StreamCredit`), a request
+made while it is used up is held unsent (:mod:`output`, at most
+``SessionConfig.max_held_requests``); held requests go out in the order they
+were made as the credit grows, and only then does their CONTROL_MESSAGE_TIMEOUT
+timer start (the peer cannot answer what it has not seen). Updates and cancels
+of a held request wait with it; a held request that is cancelled is dropped
+without ever being sent. (A held PUBLISH's objects are not held: as when a QUIC
+stack queued the stream itself, they may reach the peer before the PUBLISH, which
+buffers them under an unknown Track Alias, bounded there.)
+
 Request and data streams may arrive before the peer's SETUP; they are buffered
 (bounded by ``SessionConfig.max_pre_setup_bytes``) and replayed once it arrives
 (d21 section 6.3: SHOULD buffer).
@@ -57,6 +69,7 @@ from kvcs_core.moqt.transport_io import (
     DatagramReceived,
     SendDatagram,
     StreamAborted,
+    StreamCredit,
     StreamData,
     StreamOpened,
     StreamRef,
@@ -151,6 +164,11 @@ class MoqtSession(PeerRequests, OwnRequests):
         queue limit (``max_queued_bytes_per_subscription``) ends a subscriber.
         """
         return self.publisher.queued_bytes
+
+    @property
+    def held_requests(self) -> int:
+        """Requests of ours held unsent until the peer's stream credit allows them."""
+        return self._out.held
 
     @property
     def setup_complete(self) -> bool:
@@ -431,7 +449,11 @@ class MoqtSession(PeerRequests, OwnRequests):
         rec = self._updatable(request_id)
         if rec.finished:
             return
-        self._abort_request_stream(rec, StreamResetCode.CANCELLED)
+        if self._out.drop_held(rec.stream):
+            # never sent: nothing to reset, and no stream credit spent on it
+            rec.local_fin = rec.peer_fin = True
+        else:
+            self._abort_request_stream(rec, StreamResetCode.CANCELLED)
         rec.state = RequestState.FAILED
         self._timers.cancel_request(request_id)
         self.receiver.request_finished(rec)
@@ -754,6 +776,12 @@ class MoqtSession(PeerRequests, OwnRequests):
         self._check_ready()
         if self._goaway_received:
             raise LocalProtocolError("the peer sent GOAWAY: start no new requests")
+        out = self._out
+        if out.credit_exhausted and out.held >= self.config.max_held_requests:
+            raise LocalProtocolError(
+                f"too many requests waiting for stream credit ({out.held} held; "
+                "the peer allows no more request streams now)"
+            )
         rid = self._take_request_id()
         msg = build(rid)
         stream = self._out.open_stream(uni=False, priority=0)
@@ -772,8 +800,17 @@ class MoqtSession(PeerRequests, OwnRequests):
         self.requests[rid] = rec
         self._by_stream[stream] = rec
         self._out.send(stream, msg)
-        self._timers.set_request(rid, now + self.config.request_timeout)
+        if not self._out.is_held(stream):  # a held request's timer starts when it is sent
+            self._timers.set_request(rid, now + self.config.request_timeout)
         return rid
+
+    def _on_stream_credit(self, event: StreamCredit, now: float) -> None:
+        """The peer's bidi stream credit grew: send held requests, start their timers."""
+        for stream in self._out.grant_bidi(event.bidi):
+            rec = self._by_stream.get(stream)
+            if rec is not None and rec.mine and rec.state is RequestState.PENDING:
+                rec.opened_at = now
+                self._timers.set_request(rec.request_id, now + self.config.request_timeout)
 
     def _mine(self, request_id: int) -> RequestRecord:
         rec = self.requests.get(request_id)
@@ -815,6 +852,9 @@ class MoqtSession(PeerRequests, OwnRequests):
             self._out.emit(
                 ev.SessionClosed(code=event.code, reason=event.reason, initiator=initiator)
             )
+            return
+        if isinstance(event, StreamCredit):
+            self._on_stream_credit(event, now)  # a transport fact: never waits for SETUP
             return
         if not self.setup_complete and not self._is_control_event(event):
             self._buffer_pre_setup(event)
@@ -1040,7 +1080,11 @@ class MoqtSession(PeerRequests, OwnRequests):
             if kind is TimerKind.SETUP:
                 raise PeerViolation(SessionErrorCode.CONTROL_MESSAGE_TIMEOUT, "no SETUP from peer")
             if kind is TimerKind.GOAWAY:
-                if any(not r.finished for r in self.requests.values()):
+                # a request of ours still held for credit is not the peer staying
+                if any(
+                    not r.finished and not self._out.is_held(r.stream)
+                    for r in self.requests.values()
+                ):
                     raise PeerViolation(SessionErrorCode.GOAWAY_TIMEOUT, "peer did not leave")
             elif kind is TimerKind.REQUEST:
                 rec = self.requests.get(key)

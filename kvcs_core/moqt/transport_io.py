@@ -23,6 +23,15 @@ request streams, fetch and fill streams) or by the first ``WriteStream`` pulled
 for it, which carries ``opens=True`` (subgroup streams: a transport then holds
 open only the streams whose data is being sent).
 
+Stream credit (RFC 9000 section 4.6): the peer limits how many bidirectional
+streams we may open (MAX_STREAMS), and every request of ours is one (d21
+section 6.4.2). A transport that knows the limit reports it with
+:class:`StreamCredit` (cumulative, like MAX_STREAMS: "N streams in total"),
+after the handshake and whenever it grows; the session then opens request
+streams only within it and holds the others itself (:mod:`output`), so a
+request's timer never runs while the request waits for credit. A transport
+that never reports credit gets every ``OpenStream`` at once, as before.
+
 Payload bytes travel as ``memoryview`` slices; a write is scatter/gather
 (``chunks``) so that an object header and its payload are never concatenated.
 """
@@ -103,7 +112,20 @@ class TransportClosed:
     by_peer: bool = True
 
 
-TransportEvent = StreamOpened | StreamData | StreamAborted | DatagramReceived | TransportClosed
+@attrs.frozen(kw_only=True)
+class StreamCredit:
+    """The peer allows ``bidi`` bidirectional streams of ours in total, counting every
+    one the session has opened so far (cumulative, like QUIC MAX_STREAMS; a smaller
+    value than one reported before changes nothing). Only the streams the session
+    itself opens count: a transport whose own streams share the limit (WebTransport's
+    CONNECT stream) subtracts them first."""
+
+    bidi: int
+
+
+TransportEvent = (
+    StreamOpened | StreamData | StreamAborted | DatagramReceived | TransportClosed | StreamCredit
+)
 
 
 # --- commands: session -> transport --------------------------------------------------

@@ -15,6 +15,18 @@ come out.
   two opens in a row get different IDs. Streams the peer opens get a
   ``StreamRef(local=False, n)`` from the pump's counter, announced with
   ``StreamOpened`` before their first bytes, reset or STOP_SENDING.
+* **Stream credit.** Every request of ours is a bidirectional stream, and the
+  peer allows only so many (its MAX_STREAMS; aioquic grants 128 at first, qh3
+  100). The pump reports that limit to the session as ``StreamCredit`` once
+  the session starts and after every batch of QUIC events in which it grew
+  (:attr:`.stack.QuicStack.bidi_credit`), less the bidi streams of ours that
+  are not the session's (over WebTransport the client's CONNECT stream, which
+  counts against the same QUIC limit). The session then opens request streams
+  only within the credit and holds the rest, their timers not running, so a
+  client with many open requests never closes itself waiting for credit the
+  peer has not granted. (WebTransport's own per-session stream limits,
+  WT_MAX_STREAMS capsules, are not implemented by aioquic or qh3 and are not
+  modelled; the QUIC limit is the one that applies.)
 * **Sending.** Control writes (``next_command``) are handed to QUIC at once.
   Object data is *pulled* (``poll_data``) only while fewer than
   ``max_unsent`` written bytes wait for their first transmission, so QUIC flow
@@ -63,6 +75,7 @@ from kvcs_core.moqt.transport_io import (
     OpenStream,
     SendDatagram,
     StreamAborted,
+    StreamCredit,
     StreamData,
     StreamOpened,
     StreamRef,
@@ -162,6 +175,9 @@ class SessionPump:
         self._last_ping: float | None = None
         self._pings = 0
         self._logged_end = False
+        self._bidi_base = 0
+        """Bidi streams of ours opened before the session started (not the session's)."""
+        self._credit_reported: int | None = None
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -304,6 +320,30 @@ class SessionPump:
     # --- QUIC -> session -------------------------------------------------------------------
 
     def _process_quic_events(self, now: float) -> None:
+        self._take_quic_events(now)
+        self._report_credit(now)
+
+    def _report_credit(self, now: float) -> None:
+        """Tell the session the peer's bidi stream credit when it grew (module docstring)."""
+        if not self.handshake_complete or self.terminated:
+            return
+        total = self.stack.bidi_credit(self.quic)
+        if total is None:
+            return
+        credit = max(0, total - self._bidi_base)
+        if self._credit_reported is not None and credit <= self._credit_reported:
+            return
+        self._credit_reported = credit
+        self._feed(StreamCredit(bidi=credit), now)
+
+    def _start_session(self, now: float) -> None:
+        self.handshake_complete = True
+        self._bidi_base = self.quic.get_next_available_stream_id(False) // 4
+        self.session.start(now=now)
+        self._drain_session()
+        self._report_credit(now)
+
+    def _take_quic_events(self, now: float) -> None:
         ev = self.stack.events
         while (qe := self.quic.next_event()) is not None:
             if self.wt is not None and not isinstance(
@@ -353,9 +393,7 @@ class SessionPump:
             )
             self._close_quic(ALPN_MISMATCH, f"ALPN {ALPN} required", transport=True)
             return
-        self.handshake_complete = True
-        self.session.start(now=now)
-        self._drain_session()
+        self._start_session(now)
 
     # --- WebTransport (see .webtransport) -------------------------------------------------
 
@@ -387,9 +425,7 @@ class SessionPump:
             elif isinstance(item, wt.Datagram):
                 self._feed(DatagramReceived(data=item.data), now)
             elif isinstance(item, wt.Established):
-                self.handshake_complete = True
-                self.session.start(now=now)
-                self._drain_session()
+                self._start_session(now)
             elif isinstance(item, wt.Ended):
                 self._on_webtransport_ended(item, now)
 
@@ -454,7 +490,7 @@ class SessionPump:
         What the stack reported first (its own end of the connection) is taken in."""
         try:
             if not self._stack_failed and not self.terminated:
-                self._process_quic_events(now)
+                self._take_quic_events(now)
         except Exception as again:
             log.debug("%s: events after a failure not read: %s", self.label, again)
         try:

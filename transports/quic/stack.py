@@ -10,10 +10,19 @@ is collected in one :class:`QuicStack` value, so the pump, the endpoint and the
 event-loop drivers never import a stack themselves, and a third stack with the
 same API plugs in by building one more :class:`QuicStack`.
 
-The only thing the two stacks expose differently is how many written stream
-bytes still wait for their first transmission (the backpressure signal): qh3
+Two things the stacks expose differently. One is how many written stream bytes
+still wait for their first transmission (the backpressure signal): qh3
 offers ``get_send_buffer_size``; for aioquic it is read from each stream's
 sender (``_buffer_stop - highest_offset``: bytes queued but never sent).
+
+The other is the peer's bidirectional stream credit (its cumulative MAX_STREAMS
+limit, RFC 9000 section 4.6), which the pump reports to the session so that it
+opens request streams only within it: aioquic keeps it in the connection's
+``_remote_max_streams_bidi`` (it queues streams opened beyond it, unseen by the
+peer); qh3 2.1 offers ``max_concurrent_bidi_streams`` (the native core's
+``stream_limits[0]``: despite the name, the peer's cumulative limit, raised by
+each MAX_STREAMS frame; qh3 raises ``ValueError`` for a stream opened beyond
+it).
 
 One qh3 workaround lives here too: qh3 2.1's core can raise ``RuntimeError``
 ("packet builder capacity exhausted") from ``poll_transmit`` in the middle of
@@ -72,6 +81,9 @@ class QuicStack:
     """``(connection, stream_id) -> bytes written but not yet sent once``."""
     datagrams_to_send: Callable[[Any, float], list[tuple[bytes, Any]]]
     """``(connection, now) -> [(datagram, address)]``: the connection's ``datagrams_to_send``."""
+    bidi_credit: Callable[[Any], int | None] = attrs.field(default=lambda conn: None)
+    """``(connection) -> bidirectional streams the peer allows us in total`` (its
+    cumulative MAX_STREAMS), ``None`` where the stack does not tell."""
     h3_connection: Callable[..., Any] | None = None
     """The stack's ``H3Connection`` (for WebTransport), ``None`` if it has none."""
     h3_events: ModuleType | None = None
@@ -87,6 +99,19 @@ def _aioquic_unsent(conn: Any, stream_id: int) -> int:
 
 def _qh3_unsent(conn: Any, stream_id: int) -> int:
     return int(conn.get_send_buffer_size(stream_id))
+
+
+def _aioquic_bidi_credit(conn: Any) -> int | None:
+    value = getattr(conn, "_remote_max_streams_bidi", None)
+    return value if isinstance(value, int) else None
+
+
+def _qh3_bidi_credit(conn: Any) -> int | None:
+    try:
+        value = conn.max_concurrent_bidi_streams
+    except Exception:  # the stack changed: no credit known (the session never holds)
+        return None
+    return value if isinstance(value, int) else None
 
 
 def _aioquic_datagrams(conn: Any, now: float) -> list[tuple[bytes, Any]]:
@@ -199,11 +224,13 @@ def load_stack(name: str = "aioquic") -> QuicStack:
         buffer_cls = importlib.import_module("aioquic.buffer").Buffer
         unsent = _aioquic_unsent
         datagrams = _aioquic_datagrams
+        credit = _aioquic_bidi_credit
         connection = conn_mod.QuicConnection
     else:
         buffer_cls = importlib.import_module("qh3._hazmat").Buffer
         unsent = _qh3_unsent
         datagrams = _qh3_datagrams
+        credit = _qh3_bidi_credit
         connection = _qh3_connection(conn_mod.QuicConnection)
     pull = packet_mod.pull_quic_header
 
@@ -225,6 +252,7 @@ def load_stack(name: str = "aioquic") -> QuicStack:
         packet_type_initial=packet_mod.QuicPacketType.INITIAL,
         unsent_bytes=unsent,
         datagrams_to_send=datagrams,
+        bidi_credit=credit,
         h3_connection=h3_mod.H3Connection if h3_mod is not None else None,
         h3_events=h3_events_mod,
     )
