@@ -113,7 +113,7 @@ for py in "${PYTHONS[@]}"; do
     fi
 
     section "[$("$PY" --version)] pytest (whole suite)"
-    "$PY" -m pytest -q -p no:cacheprovider
+    "$PY" -m pytest -q -p no:cacheprovider --durations=10
 done
 
 section "fuzz: atheris, ${FUZZ_SECONDS}s per harness"
