@@ -69,7 +69,12 @@ class Result:
 
     @property
     def verdict(self) -> str:
-        return "OK" if self.ok else "CRASH" if self.returncode > 0 else "ERROR"
+        """OK; CRASH (an input broke the harness); ERROR (it did not run, or hung)."""
+        if self.ok:
+            return "OK"
+        if self.crash_files or (self.returncode > 0 and self.executions is not None):
+            return "CRASH"
+        return "ERROR"
 
 
 def parse_output(output: str) -> dict[str, int | None]:
