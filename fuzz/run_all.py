@@ -7,6 +7,10 @@ Each harness runs in its own process (``python3 fuzz/fuzz_<name>.py``) with
 ``fuzz/corpus/<name>/``, so the committed seed corpus is never modified. Inputs
 that crash a harness are written to ``fuzz/crashes/`` (git-ignored). Exits 1 if
 any harness crashed or could not be run, 0 otherwise.
+
+``fuzz/campaign`` reuses the runner (:func:`run_one`, :func:`run_many`) and the
+harness list (:data:`HARNESSES`, one name per line: add a harness here and both
+pick it up).
 """
 
 from __future__ import annotations
