@@ -72,6 +72,15 @@ class Result:
         return self.returncode == 0 and self.executions is not None
 
     @property
+    def rate(self) -> float:
+        """Executions per second: libFuzzer's average over the fuzzing time when it
+        printed one (it prints 0 for runs under a second), else over the wall time
+        (start-up included)."""
+        if self.exec_per_s:
+            return float(self.exec_per_s)
+        return (self.executions or 0) / max(self.seconds, 1e-9)
+
+    @property
     def verdict(self) -> str:
         """OK; CRASH (an input broke the harness); ERROR (it did not run, or hung)."""
         if self.ok:
@@ -204,12 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     results = run_many(names, args.jobs, lambda n: run_one(n, args.seconds, args.max_len))
     failed = [r for r in results if not r.ok]
     print_failures(results)
-    print(f"{'harness':<10} {'result':<7} {'executions':>11} {'exec/s':>8} {'corpus':>13}")
+    print(f"{'harness':<13} {'result':<7} {'executions':>11} {'exec/s':>8} {'cov':>6} {'corpus':>9}")
     for r in results:
         execs = "?" if r.executions is None else str(r.executions)
-        rate = "?" if r.executions is None else f"{r.executions / max(r.seconds, 1e-9):.0f}"
+        rate = "?" if r.executions is None else f"{r.rate:.0f}"
+        cov = "?" if r.cov is None else str(r.cov)
         corpus = f"{r.corpus_in}->{r.corpus_out}"
-        print(f"{r.name:<10} {r.verdict:<7} {execs:>11} {rate:>8} {corpus:>13}")
+        print(f"{r.name:<13} {r.verdict:<7} {execs:>11} {rate:>8} {cov:>6} {corpus:>9}")
     if failed:
         print(f"{len(failed)} harness(es) failed; crashing inputs are kept in {FUZZ_DIR}/crashes/")
         return 1
