@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_many(names, args.jobs, lambda n: run_one(n, args.seconds, args.max_len))
     failed = [r for r in results if not r.ok]
     print_failures(results)
-    print(f"{'harness':<13} {'result':<7} {'executions':>11} {'exec/s':>8} {'cov':>6} {'corpus':>9}")
+    head = ("harness", "result", "executions", "exec/s", "cov", "corpus")
+    print("{:<13} {:<7} {:>11} {:>8} {:>6} {:>9}".format(*head))
     for r in results:
         execs = "?" if r.executions is None else str(r.executions)
         rate = "?" if r.executions is None else f"{r.rate:.0f}"
