@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+from importlib.machinery import SourceFileLoader
+from importlib.util import module_from_spec, spec_from_loader
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -179,3 +181,60 @@ def test_harness_accepts_codec_errors() -> None:
     with pytest.raises(CodecError):
         HARNESSES["datagram"].decode_datagram(b"\x10")  # reserved bit: PROTOCOL_VIOLATION
     HARNESSES["datagram"].check(b"\x00\x00\x10")
+
+
+# --- the runner and the campaign's table (no fuzzing) ---------------------------------
+
+
+def _campaign() -> ModuleType:
+    loader = SourceFileLoader("fuzz_campaign", str(FUZZ_DIR / "campaign"))
+    spec = spec_from_loader("fuzz_campaign", loader)
+    assert spec is not None
+    module = module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_runner_parses_libfuzzer_statistics() -> None:
+    run_all = importlib.import_module("run_all")
+    out = (
+        "#2\tINITED cov: 10 ft: 11 corp: 2/9b exec/s: 0 rss: 40Mb\n"
+        "#4096\tpulse  cov: 120 ft: 300 corp: 40/1Kb lim: 8 exec/s: 2048 rss: 60Mb\n"
+        "#5000\tDONE   cov: 123 ft: 345 corp: 41/1Kb lim: 8 exec/s: 2500 rss: 60Mb\n"
+        "Done 5000 runs in 2 second(s)\n"
+        "stat::number_of_executed_units: 5000\nstat::average_exec_per_sec:     2500\n"
+    )
+    assert run_all.parse_output(out) == {
+        "executions": 5000,
+        "exec_per_s": 2500,
+        "cov": 123,
+        "ft": 345,
+    }
+    # a crash prints no final statistics: the last status line counts
+    crashed = out.split("#5000", maxsplit=1)[0] + "==1== ERROR: libFuzzer: deadly signal\n"
+    assert run_all.parse_output(crashed)["executions"] == 4096
+    assert run_all.parse_output("Traceback ...\nImportError\n")["executions"] is None
+
+
+def test_campaign_table_replaces_only_its_rows() -> None:
+    campaign = _campaign()
+    run_all = importlib.import_module("run_all")
+    first, second = run_all.HARNESSES[0], run_all.HARNESSES[1]
+
+    def result(name: str, execs: int, rc: int = 0) -> Any:
+        return run_all.Result(name, rc, execs, 600.0, 10, 50, "", exec_per_s=1700, cov=300, ft=900)
+
+    text = "# Fuzz\n\nintro\n\n" + campaign.BEGIN + "\n" + campaign.END + "\n\n## After\n"
+    rows = {n: campaign.row(result(n, 1_000_000), 1_000_000, "2026-01-01") for n in (first, second)}
+    once = campaign.update_readme(text, rows)
+    assert once.count(f"| `{first}` | 1,000,000 | 1,700 | 300 | 900 | 10 → 50 | 0 |") == 1
+    assert once.startswith("# Fuzz\n\nintro\n\n") and once.endswith("\n\n## After\n")
+    # a rerun of one harness replaces its row and keeps the other one
+    again = campaign.row(result(second, 400_000), 1_000_000, "2026-01-02")
+    twice = campaign.update_readme(once, {second: again})
+    assert f"| `{first}` | 1,000,000 |" in twice
+    assert f"| `{second}` | 400,000 (time cap) |" in twice and "2026-01-01 |" in twice
+    assert twice.count(f"| `{second}` |") == 1
+    assert campaign.update_readme(twice, {}) == twice
+    crashed = campaign.row(result(first, 77, rc=1), 1_000_000, "2026-01-03")
+    assert "**CRASH**" in crashed

@@ -6,6 +6,7 @@ import array
 import contextlib
 import itertools
 import json
+import tracemalloc
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
@@ -1066,6 +1067,36 @@ def test_assembly_switches_to_buffer_mode_on_small_pieces() -> None:
         SubgroupStreamDecoder(), [mv[: start + 3], mv[start + 3 : start + 9], mv[start + 9 :]]
     )
     assert got[1].payload == payload
+
+
+def test_buffer_mode_holds_the_bytes_received_not_the_declared_length() -> None:
+    """A header declaring a big payload, then tiny frames: memory follows the frames.
+
+    Before, the first small piece allocated a buffer of the whole declared Object
+    Payload Length (up to ``max_payload_size``, 64 MiB) for a few bytes received,
+    per stream: a peer could make us commit gigabytes with a few hundred bytes.
+    """
+    declared = 16 * 1024 * 1024
+    data, start = _one_object_stream(bytes(declared))
+    head = data[: start + 100]
+    del data
+    dec = SubgroupStreamDecoder()
+    tracemalloc.start()
+    try:
+        dec.feed(head)
+        for i in range(50):
+            dec.feed(bytes([i]) * 10)  # tiny STREAM frames: buffer mode
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert dec.bytes_received == start + 100 + 500
+    assert peak < 256 * 1024, f"{peak} bytes held for 600 bytes received"
+    # and the payload still completes to the right bytes
+    payload = bytes(declared)
+    got = dec.feed(payload[600:])
+    dec.close()
+    expected = bytes(100) + b"".join(bytes([i]) * 10 for i in range(50)) + payload[600:]
+    assert got[0].payload == expected
 
 
 def test_properties_fed_byte_by_byte_are_parsed_once() -> None:

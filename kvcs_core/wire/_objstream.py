@@ -26,12 +26,14 @@ parse" reader does not:
   more than twice as fast (``benchmarks/bench_wire_decode.py``). So that a peer
   sending tiny STREAM frames cannot make the kept pieces outweigh the payload,
   the first middle piece shorter than 512 bytes switches that payload to
-  *buffer mode*: a ``bytearray`` of exactly the payload length is allocated,
-  the pieces so far are copied into it, and later chunks are copied straight
-  in (still one copy per byte; the buffer is never resized, so views of it are
-  safe; the payload view is then writable). Memory held for a payload is thus
-  its length plus a bounded overhead per kept piece, and at most the unused
-  parts of its first and last chunks.
+  *buffer mode*: the pieces so far are copied into a ``bytearray`` and later
+  chunks are appended to it (its growth is amortized; no view of it exists
+  until the payload is complete, so resizing it is safe; the payload view is
+  then writable). The buffer holds the bytes received, never the Object
+  Payload Length the peer *declared*: a header claiming 64 MiB followed by a
+  trickle of tiny frames costs what the frames carry, not 64 MiB. Memory held
+  for a payload is thus the bytes received of it plus a bounded overhead per
+  kept piece, and at most the unused parts of its first and last chunks.
 * **Small carry-over.** An object header cut by a chunk boundary is kept in a
   small ``bytearray`` (the *tail*) and completed from a small window of the next
   chunk (64 bytes, then as much as the parser said it needs), never by copying
@@ -155,7 +157,6 @@ class ObjectStreamDecoder(Generic[T]):
         "_abuf",
         "_closed",
         "_error",
-        "_fill",
         "_need",
         "_offset",
         "_parse",
@@ -185,8 +186,7 @@ class ObjectStreamDecoder(Generic[T]):
         self._need = 0
         self._pitem: T | None = None  # the item waiting for a payload spanning chunks
         self._parts: list[Buffer] | None = None  # its pieces so far (parts mode)
-        self._abuf: bytearray | None = None  # or its destination (buffer mode)
-        self._fill = 0  # bytes written into _abuf
+        self._abuf: bytearray | None = None  # or the bytes so far (buffer mode)
         self._room = 0  # payload bytes still missing
         self._pay_end = 0  # stream offset where that payload ends
         self._offset = 0
@@ -359,21 +359,15 @@ class ObjectStreamDecoder(Generic[T]):
                     self._room = room - n
                     return n
                 # A small piece: switch to buffer mode, so that the pieces kept
-                # never outweigh the payload (each byte is still copied once).
-                abuf = bytearray(room + sum(len(q) for q in parts))
-                fill = 0
-                for q in parts:
-                    k = len(q)
-                    abuf[fill : fill + k] = q
-                    fill += k
+                # never outweigh the payload. The buffer holds the bytes received,
+                # never the length the peer declared (which is not yet evidence).
+                abuf = bytearray().join(parts)
                 self._parts = None
                 self._abuf = abuf
             else:
                 assert self._abuf is not None
                 abuf = self._abuf
-                fill = self._fill
-            abuf[fill : fill + n] = mv
-            self._fill = fill + n
+            abuf += mv
             self._room = room - n
             return n
         item = self._pitem
@@ -389,10 +383,9 @@ class ObjectStreamDecoder(Generic[T]):
         else:
             done = self._abuf
             assert done is not None
-            done[self._fill :] = mv[:room]
+            done += mv[:room]
             self._set_payload(item, memoryview(done))
             self._abuf = None
-            self._fill = 0
         out.append(item)
         self._parts = None
         self._pitem = None
