@@ -278,7 +278,10 @@ class Relay(Offers):
 
     def _settle(self) -> None:
         """After every input: the cache within its budget (cache docstring), and tracks
-        whose cache emptied forgotten if nothing else needs them."""
+        whose cache emptied forgotten if nothing else needs them; re-fetches waiting for
+        transit room looked at again (:meth:`RelayCore._pace`)."""
+        if self._pace_at is not None:
+            self._pace()
         cache = self._cache
         cache.settle(self._tier)
         if cache.emptied:
@@ -364,6 +367,7 @@ class Relay(Offers):
             sessions=len(self._peers),
             downstream_subscriptions=sum(len(t.served) for t in self._tracks.values()),
             transit_bytes=cache.transit_bytes,
+            refetch_bytes_received=self._refetched_bytes,
             refused_for_rate=self.refused_for_rate,
         )
 
