@@ -77,8 +77,11 @@ served downstream by the sessions with ``accept_subscribe`` / ``accept_fetch``
   new objects that do not fit are forwarded but not kept (above), which is
   what keeps ``total_bytes <= budget`` true at all times. The exception is an
   object the cache *never kept* (evicted in the same step it arrived): it is
-  in transit only, held by the sessions forwarding it and bounded by their
-  ``max_queued_bytes_per_subscription``, not by this budget.
+  in transit only (:attr:`Cache.transit_bytes`), held by the sessions
+  forwarding it, not by this budget: a live object is bounded by the sessions'
+  ``max_queued_bytes_per_subscription``, and restores of evicted groups (the
+  bulk of it) by the relay's paced re-fetches, ``RelayConfig.max_transit_bytes``
+  (:mod:`kvcs_core.relay.core`).
 """
 
 from __future__ import annotations

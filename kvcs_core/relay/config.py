@@ -23,7 +23,7 @@ section 7):
 * **objects in transit** (re-fetched for late joiners, forwarded without being
   kept, held only by downstream session queues) are bounded by
   :attr:`RelayConfig.max_transit_bytes` over the whole relay: the re-fetches
-  are paced (:mod:`kvcs_core.relay.core`), never more than one group beyond it;
+  are paced (:mod:`kvcs_core.relay.core`): about one group beyond it at most;
 * **tracks** are bounded by :attr:`RelayConfig.max_tracks`, and a track
   nobody needs (no publisher, nothing cached, no request) is forgotten at once;
 * **waiting** is bounded in time: a downstream SUBSCRIBE waits for the

@@ -26,10 +26,23 @@ router, the timers) and the steps used on both sides of the relay:
   objects first); with no cache either it is refused (the upstream's error
   code, or DOES_NOT_EXIST).
 * A downstream SUBSCRIBE whose fill crosses evicted groups is accepted like
-  any other (its fill sends what is cached) and the evicted groups are FETCHed
-  upstream; each restored object goes to the fills that lack it on a late fill
-  stream as it arrives (A27). Subscriptions of a track with no upstream left
-  end once no such re-fetch is in flight (:meth:`RelayCore._end_idle`).
+  any other (its fill sends what is cached) and the evicted groups join the
+  track's *wanted* groups, which are FETCHed upstream again, *paced*
+  (:meth:`RelayCore._pace`): restored objects are forwarded without being kept,
+  so until the downstream sessions have sent them they are held only by their
+  queues (``Cache.transit_bytes``). A re-fetch is asked for only while what is
+  in transit, plus the estimate of the re-fetches asked for and not arrived,
+  fits ``RelayConfig.max_transit_bytes`` (each group estimated at the track's
+  largest group so far; with nothing in transit one group goes whatever its
+  size), one at a time per track, the next as the previous ends and the
+  sessions drain (looked at after every input and every
+  ``RelayConfig.transit_poll``: a session drains when its transport pulls,
+  which is no input to the relay). Each re-fetch takes the next run of wanted
+  groups from a cursor that wraps around, and each restored object goes to
+  *every* fill that lacks it on a late fill stream as it arrives (A27), so
+  late joiners that lack the same groups share one re-fetch. Subscriptions of
+  a track with no upstream left end once no re-fetch is wanted or in flight
+  (:meth:`RelayCore._end_idle`).
 * Tracks nobody needs (no feed, no request, nothing cached) are forgotten
   (:meth:`RelayCore._forget_idle`); every track record is charged to the cache
   budget, and at ``max_tracks`` an idle one is reclaimed with a bounded scan.

@@ -47,8 +47,10 @@ session's ``max_queued_bytes_per_subscription`` (d21 section 5.2).
 Objects reaching the cache out of order (upstream subgroups, fills and
 fetches travel on separate streams) below a subscriber's live start are sent
 to it fill-delivered on a late fill stream (Ambiguity A27); objects of an
-evicted group fetched again are *restores*, sent only to fills that missed
-them (``MoqtSession.restoring``), so nobody gets an object twice
+evicted group fetched again (paced by ``RelayConfig.max_transit_bytes`` and
+shared by every fill that lacks them, :mod:`~kvcs_core.relay.core`) are
+*restores*, sent only to fills that missed them (``MoqtSession.restoring``),
+so nobody gets an object twice
 (:mod:`kvcs_core.moqt.publishing`). A SUBSCRIBE with Forward 0 is answered at
 once (it gets no object and no fill).
 

@@ -36,11 +36,11 @@ max(upstream-reported, received) (wire reference 5.8; the store observes the
 upstream's value). A downstream REQUEST_UPDATE is answered by its own session
 from the cache (FORWARD first, then FILL_PARAMETERS, A16); the relay then
 propagates what it needs: the Forward State above; a fill crossing evicted
-groups FETCHes them upstream (the session delivers them on a late fill stream
-as they arrive, A27); NEW_GROUP_REQUEST goes upstream in an RU when it is 0 or
-above Largest Group, the track has DYNAMIC_GROUPS, and no request >= it is
-outstanding (until Largest Group grows; wire reference 5.8); copied into the
-upstream SUBSCRIBE when there is none yet.
+groups FETCHes them upstream, paced (:meth:`RelayCore._pace`; the session
+delivers them on a late fill stream as they arrive, A27); NEW_GROUP_REQUEST
+goes upstream in an RU when it is 0 or above Largest Group, the track has
+DYNAMIC_GROUPS, and no request >= it is outstanding (until Largest Group grows;
+wire reference 5.8); copied into the upstream SUBSCRIBE when there is none yet.
 
 **Feeding the cache**: every upstream ``ObjectReceived`` (subscription,
 fill or fetch delivered; status objects too) is appended to the track's store
