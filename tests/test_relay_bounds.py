@@ -289,3 +289,33 @@ def test_late_joiners_share_the_refetches() -> None:
         assert all(got[loc] == payload(loc.group, 0, size) for loc in got)
     assert max(seen) <= 256_000 + size + 4096
     assert relay.stats().refetch_bytes_received <= 1.5 * groups * size
+
+
+def test_a_stalled_late_joiner_holds_back_no_other() -> None:
+    """A late joiner that stops reading (a 2 kB/s link) holds the restores it was sent: the
+    transit allowance stays full. Another late joiner still gets every object, because
+    after ``transit_stall`` with nothing draining the relay asks for one more group."""
+    size, groups = 100_000, 24
+    rn = RelayNet()
+    relay = rn.add_relay(
+        RelayConfig(cache_budget_bytes=1 << 20, max_transit_bytes=256_000, transit_stall=0.05)
+    )
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("stall")))
+    first = rn.add_subscriber(relay)
+    r1 = first.subscribe_all(store.name)
+    rn.run_until(lambda: first.accepted(r1))
+    for g in range(groups):
+        store.append(g, 0, payload(g, 0, size))
+        store.append(g, 1, status=ObjectStatus.END_OF_GROUP)
+        rn.settle(0.002)
+    rn.run_until(lambda: len(first.normal(r1)) == groups)
+    stalled = rn.add_subscriber(relay, bandwidth=2e3)
+    rs = stalled.subscribe_all(store.name)
+    rn.run_until(lambda: relay.stats().transit_bytes > 0)
+    late = rn.add_subscriber(relay, bandwidth=8e6)
+    r2 = late.subscribe_all(store.name)
+    rn.run_until(lambda: len(late.normal(r2)) == groups, max_time=30)
+    got = late.normal(r2)
+    assert all(got[loc] == payload(loc.group, 0, size) for loc in got)
+    assert len(stalled.normal(rs)) < groups  # it really stopped reading

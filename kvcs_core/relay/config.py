@@ -23,7 +23,8 @@ section 7):
 * **objects in transit** (re-fetched for late joiners, forwarded without being
   kept, held only by downstream session queues) are bounded by
   :attr:`RelayConfig.max_transit_bytes` over the whole relay: the re-fetches
-  are paced (:mod:`kvcs_core.relay.core`): about one group beyond it at most;
+  are paced (:mod:`kvcs_core.relay.core`): about one group beyond it at most,
+  unless a subscriber stops reading (:attr:`RelayConfig.transit_stall`);
 * **tracks** are bounded by :attr:`RelayConfig.max_tracks`, and a track
   nobody needs (no publisher, nothing cached, no request) is forgotten at once;
 * **waiting** is bounded in time: a downstream SUBSCRIBE waits for the
@@ -126,6 +127,13 @@ class RelayConfig:
     """While re-fetches wait for room in ``max_transit_bytes``, how often (seconds) the
     relay looks again if no input comes (the sessions drain their queues when the
     transport pulls, which is no input to the relay)."""
+
+    transit_stall: float = attrs.field(default=1.0, validator=_positive_time)
+    """When re-fetches have waited this long (seconds) for transit room with nothing
+    draining (a downstream subscriber that stopped reading holds the restores), one more
+    group is asked anyway, one per ``transit_stall``: a stalled subscriber holds back no
+    other late joiner, and what it holds is bounded by its session's
+    ``max_queued_bytes_per_subscription`` (past it: PUBLISH_DONE TOO_FAR_BEHIND)."""
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.upstream_priority <= 255:

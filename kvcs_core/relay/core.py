@@ -37,7 +37,12 @@ router, the timers) and the steps used on both sides of the relay:
   size), one at a time per track, the next as the previous ends and the
   sessions drain (looked at after every input and every
   ``RelayConfig.transit_poll``: a session drains when its transport pulls,
-  which is no input to the relay). Each re-fetch takes the next run of wanted
+  which is no input to the relay). When nothing drains for
+  ``RelayConfig.transit_stall`` (a subscriber that stopped reading holds the
+  restores), one more group is asked anyway, so a stalled subscriber holds
+  back no other late joiner; its own queue is bounded by its session's
+  ``max_queued_bytes_per_subscription`` (PUBLISH_DONE TOO_FAR_BEHIND). Each
+  re-fetch takes the next run of wanted
   groups from a cursor that wraps around, and each restored object goes to
   *every* fill that lacks it on a late fill stream as it arrives (A27), so
   late joiners that lack the same groups share one re-fetch. Subscriptions of
@@ -124,6 +129,9 @@ class RelayCore:
         self._refetches: dict[Feed, None] = {}
         """Paced re-fetches asked for (pruned once ended, :meth:`_reserved`)."""
         self._refetched_bytes = 0
+        self._transit_seen = 0
+        self._stalled_since: float | None = None
+        """Since when re-fetches wait for transit room without anything draining."""
         self._timed: dict[Feed | Track, None] = {}
         """Feeds waiting after PUBLISH_DONE, tracks waiting for their fill: the timers."""
         self._now = 0.0
@@ -439,6 +447,11 @@ class RelayCore:
         self._pace_at = None
         limit = self.config.max_transit_bytes
         waiting = False
+        transit = self._cache.transit_bytes
+        if transit < self._transit_seen:
+            self._stalled_since = None  # something drained
+        self._transit_seen = transit
+        stall = self.config.transit_stall
         for track in list(self._pacing):
             entry = track.entry
             if (
@@ -459,8 +472,17 @@ class RelayCore:
             avg = max(1, entry.largest_group)
             room = limit - held
             if held > 0 and room < avg:
-                waiting = True
-                continue
+                since = self._stalled_since
+                if since is None or self._now < since + stall:
+                    if since is None:
+                        self._stalled_since = self._now
+                    waiting = True
+                    continue
+                # nothing drained for transit_stall: a subscriber that stopped reading
+                # holds the restores; one more group, so it holds back nobody else
+                self._stalled_since = self._now
+            else:
+                self._stalled_since = None
             groups = self._next_wanted(track, entry, max(1, room // avg))
             if groups is None:
                 track.wanted = GroupSet()
