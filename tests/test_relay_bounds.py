@@ -203,3 +203,119 @@ def test_an_object_below_its_subgroups_last_one_is_not_sent_live() -> None:
     got = s.normal(rid)
     assert Location(0, 5) in got and Location(0, 6) in got
     assert all(got[loc] == payload(loc.group, loc.object) for loc in got)
+
+
+# --- in transit: paced re-fetches for late joiners ------------------------------------------
+
+
+def _late_joiner(
+    budget: int, transit: int, groups: int, size: int, joiners: int = 1
+) -> tuple[Relay, list[int], list[dict[Location, bytes]]]:
+    """``groups`` groups of one ``size`` object through a relay with ``budget``, then
+    ``joiners`` late joiners on a slow link (8 MB/s, slower than the upstream): the
+    relay's in-transit bytes (``RelayStats.transit_bytes``) after every input, and what
+    each joiner got."""
+    rn = RelayNet()
+    relay = rn.add_relay(RelayConfig(cache_budget_bytes=budget, max_transit_bytes=transit))
+    watch(relay)
+    seen: list[int] = []
+    on_event, on_timer = relay.handle_session_event, relay.handle_timer
+
+    def checked_event(session: Any, e: Any, now: float) -> bool:
+        out = on_event(session, e, now)
+        seen.append(relay.stats().transit_bytes)
+        return out
+
+    def checked_timer(now: float) -> None:
+        on_timer(now)
+        seen.append(relay.stats().transit_bytes)
+
+    relay.handle_session_event = checked_event  # type: ignore[method-assign]
+    relay.handle_timer = checked_timer  # type: ignore[method-assign]
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("paced")))
+    first = rn.add_subscriber(relay)
+    r1 = first.subscribe_all(store.name)
+    rn.run_until(lambda: first.accepted(r1))
+    for g in range(groups):
+        store.append(g, 0, payload(g, 0, size))
+        store.append(g, 1, status=ObjectStatus.END_OF_GROUP)
+        rn.settle(0.002)
+    rn.run_until(lambda: len(first.normal(r1)) == groups)
+    ts = relay.track_stats(store.name)
+    assert ts is not None and ts.evicted_groups > groups // 2  # the budget was binding
+    late = [rn.add_subscriber(relay, bandwidth=8e6) for _ in range(joiners)]
+    rids = [s.subscribe_all(store.name) for s in late]
+    rn.run_until(
+        lambda: all(len(s.normal(r)) == groups for s, r in zip(late, rids, strict=True)),
+        max_time=60,
+    )
+    return relay, seen, [s.normal(r) for s, r in zip(late, rids, strict=True)]
+
+
+def test_refetches_for_a_late_joiner_are_paced_by_the_transit_allowance() -> None:
+    """32 groups of 100 kB under a 1 MiB budget, a late joiner on a slow link: its evicted
+    groups come back paced, never more than ``max_transit_bytes`` (plus one group) in
+    transit at once (the whole evicted range was fetched at once, over 2 MB queued for the
+    slow joiner), and it still gets every object once, bit-identical."""
+    allowance, size, groups = 256_000, 100_000, 32
+    relay, seen, (got,) = _late_joiner(1 << 20, allowance, groups, size)
+    assert sorted(loc.group for loc in got) == list(range(groups))
+    assert all(got[loc] == payload(loc.group, 0, size) for loc in got)
+    assert max(seen) > 0  # restores did travel
+    assert max(seen) <= allowance + size + 4096, max(seen)
+    stats = relay.stats()
+    assert stats.refetch_bytes_received >= (groups // 2) * size
+    assert stats.transit_bytes == 0
+
+
+def test_an_object_larger_than_the_transit_allowance_is_refetched_one_at_a_time() -> None:
+    """Objects of 600 kB with a 256 kB allowance: each still goes through, one group at a
+    time (never two in transit at once)."""
+    size, groups = 600_000, 8
+    _relay, seen, (got,) = _late_joiner(2 << 20, 256_000, groups, size)
+    assert sorted(loc.group for loc in got) == list(range(groups))
+    assert all(got[loc] == payload(loc.group, 0, size) for loc in got)
+    assert 0 < max(seen) <= size + 4096, max(seen)
+
+
+def test_late_joiners_share_the_refetches() -> None:
+    """Three late joiners lacking the same evicted groups: one re-fetch serves them all
+    (the upstream sends each evicted group about once, not once per joiner)."""
+    size, groups = 100_000, 32
+    relay, seen, gots = _late_joiner(1 << 20, 256_000, groups, size, joiners=3)
+    for got in gots:
+        assert sorted(loc.group for loc in got) == list(range(groups))
+        assert all(got[loc] == payload(loc.group, 0, size) for loc in got)
+    assert max(seen) <= 256_000 + size + 4096
+    assert relay.stats().refetch_bytes_received <= 1.5 * groups * size
+
+
+def test_a_stalled_late_joiner_holds_back_no_other() -> None:
+    """A late joiner that stops reading (a 2 kB/s link) holds the restores it was sent: the
+    transit allowance stays full. Another late joiner still gets every object, because
+    after ``transit_stall`` with nothing draining the relay asks for one more group."""
+    size, groups = 100_000, 24
+    rn = RelayNet()
+    relay = rn.add_relay(
+        RelayConfig(cache_budget_bytes=1 << 20, max_transit_bytes=256_000, transit_stall=0.05)
+    )
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("stall")))
+    first = rn.add_subscriber(relay)
+    r1 = first.subscribe_all(store.name)
+    rn.run_until(lambda: first.accepted(r1))
+    for g in range(groups):
+        store.append(g, 0, payload(g, 0, size))
+        store.append(g, 1, status=ObjectStatus.END_OF_GROUP)
+        rn.settle(0.002)
+    rn.run_until(lambda: len(first.normal(r1)) == groups)
+    stalled = rn.add_subscriber(relay, bandwidth=2e3)
+    rs = stalled.subscribe_all(store.name)
+    rn.run_until(lambda: relay.stats().transit_bytes > 0)
+    late = rn.add_subscriber(relay, bandwidth=8e6)
+    r2 = late.subscribe_all(store.name)
+    rn.run_until(lambda: len(late.normal(r2)) == groups, max_time=30)
+    got = late.normal(r2)
+    assert all(got[loc] == payload(loc.group, 0, size) for loc in got)
+    assert len(stalled.normal(rs)) < groups  # it really stopped reading

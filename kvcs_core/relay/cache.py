@@ -77,8 +77,11 @@ served downstream by the sessions with ``accept_subscribe`` / ``accept_fetch``
   new objects that do not fit are forwarded but not kept (above), which is
   what keeps ``total_bytes <= budget`` true at all times. The exception is an
   object the cache *never kept* (evicted in the same step it arrived): it is
-  in transit only, held by the sessions forwarding it and bounded by their
-  ``max_queued_bytes_per_subscription``, not by this budget.
+  in transit only (:attr:`Cache.transit_bytes`), held by the sessions
+  forwarding it, not by this budget: a live object is bounded by the sessions'
+  ``max_queued_bytes_per_subscription``, and restores of evicted groups (the
+  bulk of it) by the relay's paced re-fetches, ``RelayConfig.max_transit_bytes``
+  (:mod:`kvcs_core.relay.core`).
 """
 
 from __future__ import annotations
@@ -231,6 +234,14 @@ class GroupSet:
         last = min(hi, his[k])
         return first, last
 
+    def first_run(self, lo: int, hi: int) -> tuple[int, int] | None:
+        """The first run of consecutive IDs of the set within ``[lo, hi]``, or ``None``."""
+        los, his = self._lo, self._hi
+        i = bisect.bisect_left(his, lo)
+        if i == len(los) or los[i] > hi:
+            return None
+        return max(lo, los[i]), min(hi, his[i])
+
     def complement_within(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The intervals of ``[lo, hi]`` not in this set."""
         out: list[tuple[int, int]] = []
@@ -271,6 +282,11 @@ class CacheEntry:
     duplicates: int = 0
     evicted_groups: int = 0
     evicted_bytes: int = 0
+    group_bytes: dict[int, int] = attrs.field(factory=dict)
+    """Per cached group: its objects' payload sizes plus their accounted costs."""
+    largest_group: int = 0
+    """The most ``group_bytes`` a group of this track ever reached (what a re-fetch of one
+    group is estimated at, :meth:`RelayCore._pace`)."""
 
 
 def store_for(name: FullTrackName, track_properties: KeyValuePairs) -> TrackStore:
@@ -365,6 +381,8 @@ class Cache:
             for o in objs:
                 self._hold(o.payload)
             entry.groups[gid] = gcost
+            size = entry.group_bytes[gid] = gcost + sum(o.size for o in objs)
+            entry.largest_group = max(entry.largest_group, size)
             cost += gcost
         entry.cost = cost
         self.total_bytes += cost
@@ -418,6 +436,8 @@ class Cache:
             cost += GROUP_OVERHEAD
         self._charge(entry, gid, cost)
         self._hold(obj.payload)
+        size = entry.group_bytes[gid] = entry.group_bytes.get(gid, 0) + cost + obj.size
+        entry.largest_group = max(entry.largest_group, size)
         return obj
 
     def _hold(self, view: memoryview) -> int:
@@ -547,6 +567,7 @@ class Cache:
         objs = _group_objects(store, gid)
         store.evict_group(gid)
         gcost = entry.groups.pop(gid, 0)
+        entry.group_bytes.pop(gid, None)
         if not entry.groups:
             self.emptied.append(store.name)
         entry.cost -= gcost

@@ -20,6 +20,11 @@ section 7):
   Interval) and in number by each session's ``max_concurrent_peer_requests``;
   SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT) by
   :attr:`RelayConfig.max_rendezvous` and :attr:`RelayConfig.rendezvous_cap`;
+* **objects in transit** (re-fetched for late joiners, forwarded without being
+  kept, held only by downstream session queues) are bounded by
+  :attr:`RelayConfig.max_transit_bytes` over the whole relay: the re-fetches
+  are paced (:mod:`kvcs_core.relay.core`): about one group beyond it at most,
+  unless a subscriber stops reading (:attr:`RelayConfig.transit_stall`);
 * **tracks** are bounded by :attr:`RelayConfig.max_tracks`, and a track
   nobody needs (no publisher, nothing cached, no request) is forgotten at once;
 * **waiting** is bounded in time: a downstream SUBSCRIBE waits for the
@@ -40,6 +45,11 @@ from kvcs_core.wire.names import FullTrackName, Location
 
 def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, not {value!r}")
+
+
+def _positive_time(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
         raise ValueError(f"{attribute.name} must be > 0, not {value!r}")
 
 
@@ -104,6 +114,27 @@ class RelayConfig:
     """SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT) over all sessions; a new one
     beyond it is answered at once (DOES_NOT_EXIST), as without the parameter."""
 
+    max_transit_bytes: int = attrs.field(default=8 << 20, validator=_positive)
+    """Bytes of re-fetched objects (evicted groups fetched again for late joiners' fills,
+    A27) the relay lets be in transit at once: forwarded without being kept, held only by
+    the downstream sessions' queues, plus the estimated size of the re-fetches asked for
+    and not yet arrived. A re-fetch is asked upstream only while it fits (estimated from
+    the average evicted group), one at a time per track, and the next follows as the
+    downstream sessions drain (:mod:`kvcs_core.relay.core`); with nothing in transit one
+    group is asked whatever its size, so an object larger than the allowance still goes
+    through, one at a time. Default 8 MiB: a few large KV objects."""
+    transit_poll: float = attrs.field(default=0.005, validator=_positive_time)
+    """While re-fetches wait for room in ``max_transit_bytes``, how often (seconds) the
+    relay looks again if no input comes (the sessions drain their queues when the
+    transport pulls, which is no input to the relay)."""
+
+    transit_stall: float = attrs.field(default=1.0, validator=_positive_time)
+    """When re-fetches have waited this long (seconds) for transit room with nothing
+    draining (a downstream subscriber that stopped reading holds the restores), one more
+    group is asked anyway, one per ``transit_stall``: a stalled subscriber holds back no
+    other late joiner, and what it holds is bounded by its session's
+    ``max_queued_bytes_per_subscription`` (past it: PUBLISH_DONE TOO_FAR_BEHIND)."""
+
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.upstream_priority <= 255:
             raise ValueError(f"upstream_priority must be 0..255, not {self.upstream_priority}")
@@ -164,5 +195,7 @@ class RelayStats:
     """Bytes of objects forwarded but never kept (larger than what the cache could hold)
     that the sessions still hold; with ``cache_bytes`` this is every object byte the
     relay holds."""
+    refetch_bytes_received: int = 0
+    """Payload bytes of evicted groups fetched again upstream for late joiners so far."""
     refused_for_rate: int = 0
     """Requests refused so far because their session passed ``request_rate``."""

@@ -26,10 +26,28 @@ router, the timers) and the steps used on both sides of the relay:
   objects first); with no cache either it is refused (the upstream's error
   code, or DOES_NOT_EXIST).
 * A downstream SUBSCRIBE whose fill crosses evicted groups is accepted like
-  any other (its fill sends what is cached) and the evicted groups are FETCHed
-  upstream; each restored object goes to the fills that lack it on a late fill
-  stream as it arrives (A27). Subscriptions of a track with no upstream left
-  end once no such re-fetch is in flight (:meth:`RelayCore._end_idle`).
+  any other (its fill sends what is cached) and the evicted groups join the
+  track's *wanted* groups, which are FETCHed upstream again, *paced*
+  (:meth:`RelayCore._pace`): restored objects are forwarded without being kept,
+  so until the downstream sessions have sent them they are held only by their
+  queues (``Cache.transit_bytes``). A re-fetch is asked for only while what is
+  in transit, plus the estimate of the re-fetches asked for and not arrived,
+  fits ``RelayConfig.max_transit_bytes`` (each group estimated at the track's
+  largest group so far; with nothing in transit one group goes whatever its
+  size), one at a time per track, the next as the previous ends and the
+  sessions drain (looked at after every input and every
+  ``RelayConfig.transit_poll``: a session drains when its transport pulls,
+  which is no input to the relay). When nothing drains for
+  ``RelayConfig.transit_stall`` (a subscriber that stopped reading holds the
+  restores), one more group is asked anyway, so a stalled subscriber holds
+  back no other late joiner; its own queue is bounded by its session's
+  ``max_queued_bytes_per_subscription`` (PUBLISH_DONE TOO_FAR_BEHIND). Each
+  re-fetch takes the next run of wanted
+  groups from a cursor that wraps around, and each restored object goes to
+  *every* fill that lacks it on a late fill stream as it arrives (A27), so
+  late joiners that lack the same groups share one re-fetch. Subscriptions of
+  a track with no upstream left end once no re-fetch is wanted or in flight
+  (:meth:`RelayCore._end_idle`).
 * Tracks nobody needs (no feed, no request, nothing cached) are forgotten
   (:meth:`RelayCore._forget_idle`); every track record is charged to the cache
   budget, and at ``max_tracks`` an idle one is reclaimed with a bounded scan.
@@ -55,7 +73,7 @@ from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import MalformedTrack
 from kvcs_core.moqt.windows import FetchRange, fetch_range
-from kvcs_core.relay.cache import Cache, CacheEntry, Spans, track_cost
+from kvcs_core.relay.cache import Cache, CacheEntry, GroupSet, Spans, track_cost
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.routing import Router
 from kvcs_core.relay.tracks import (
@@ -104,6 +122,16 @@ class RelayCore:
         """SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT): their deadlines."""
         self._rendezvous_heap: list[tuple[float, int, DownstreamSubscription]] = []
         self._rendezvous_seq = 0
+        self._pacing: dict[Track, None] = {}
+        """Tracks with wanted groups (paced re-fetches, :meth:`_pace`)."""
+        self._pace_at: float | None = None
+        """When :meth:`_pace` looks again at re-fetches waiting for transit room."""
+        self._refetches: dict[Feed, None] = {}
+        """Paced re-fetches asked for (pruned once ended, :meth:`_reserved`)."""
+        self._refetched_bytes = 0
+        self._transit_seen = 0
+        self._stalled_since: float | None = None
+        """Since when re-fetches wait for transit room without anything draining."""
         self._timed: dict[Feed | Track, None] = {}
         """Feeds waiting after PUBLISH_DONE, tracks waiting for their fill: the timers."""
         self._now = 0.0
@@ -337,22 +365,17 @@ class RelayCore:
             # to the fill on a late fill stream as it arrives (A27, MoqtSession.restoring),
             # so the cache never has to hold the whole range at once (cache docstring)
             groups = self._evicted_needed(entry, sub.params) if sub.forward else None
+            track.served[sub] = None  # without upstream: ended when the re-fetch is over
             refetching = groups is not None and self._refetch(track, groups)
-            if active or refetching:
-                track.served[sub] = None  # ended when the re-fetch is over (_end_idle)
-            else:
+            if not (active or refetching):
+                track.served.pop(sub, None)
                 status, reason = self._terminal(track)
                 self._end(sub, status, reason)
 
     def _end_idle(self, track: Track) -> None:
         """With no upstream feed left, subscriptions kept only for a re-fetch of evicted
         groups end once no re-fetch is in flight (with the track's terminal status)."""
-        if (
-            not track.served
-            or track.malformed
-            or track.active
-            or any(f.purpose is FetchPurpose.REFETCH for f in track.fetches)
-        ):
+        if not track.served or track.malformed or track.active or self._refetching(track):
             return
         status, reason = self._terminal(track)
         for sub in list(track.served):
@@ -385,26 +408,131 @@ class RelayCore:
         return range(span[0], span[1] + 1) if span is not None else None
 
     def _refetch(self, track: Track, groups: range) -> bool:
-        """FETCH evicted ``groups`` upstream (or join such a FETCH); False: no route."""
-        for f in track.fetches:
-            g = f.groups
+        """Ask for evicted ``groups`` again for a served fill: the evicted ones among them
+        join the track's wanted groups, which paced re-fetches bring (:meth:`_pace`,
+        shared by every fill that lacks them); False: no route upstream."""
+        entry = track.entry
+        if entry is None or not self._routes(track.name.namespace, None):
+            return False
+        lo, hi = groups.start, groups.stop - 1
+        while lo <= hi:  # O(evicted intervals): only the evicted runs are wanted
+            run = entry.evicted.first_run(lo, hi)
+            if run is None:
+                break
+            track.wanted.add_range(run[0], run[1])
+            if run[1] >= hi:
+                break
+            lo = run[1] + 1
+        if track.wanted:
+            self._pacing[track] = None
+            self._pace()
+        return True
+
+    def _refetching(self, track: Track) -> bool:
+        """A re-fetch of ``track`` is in flight or still to be asked (paced)."""
+        return bool(track.wanted) or any(f.purpose is FetchPurpose.REFETCH for f in track.fetches)
+
+    def _pace(self) -> None:
+        """Ask upstream for the next re-fetches that fit ``RelayConfig.max_transit_bytes``.
+
+        What is in transit is the cache's :attr:`~Cache.transit_bytes` (restored objects
+        the downstream sessions still queue) plus the estimated bytes of the re-fetches
+        asked for and not arrived (``Feed.reserved``). Each track has at most one re-fetch
+        in flight; it asks for the next run of wanted groups from ``Track.refetch_at``
+        (wrapping around, so a late joiner's groups come in turn), as many groups as fit
+        (each estimated at the track's largest group so far), at least one. With something in
+        transit a re-fetch waits until it fits; with nothing, one group goes whatever its
+        size. A wait is looked at again after every input and every
+        ``RelayConfig.transit_poll`` (the sessions drain when the transport pulls)."""
+        self._pace_at = None
+        limit = self.config.max_transit_bytes
+        waiting = False
+        transit = self._cache.transit_bytes
+        if transit < self._transit_seen:
+            self._stalled_since = None  # something drained
+        self._transit_seen = transit
+        stall = self.config.transit_stall
+        for track in list(self._pacing):
+            entry = track.entry
             if (
-                f.purpose is FetchPurpose.REFETCH
-                and g is not None
-                and g.start <= groups.start
-                and g.stop >= groups.stop
+                entry is None
+                or track.malformed
+                or not track.served
+                or self._tracks.get(track.name) is not track
             ):
-                return True
+                track.wanted = GroupSet()  # nobody left to restore to
+            if not track.wanted:
+                self._pacing.pop(track, None)
+                self._end_idle(track)
+                continue
+            if any(f.purpose is FetchPurpose.REFETCH for f in track.fetches):
+                continue  # one at a time per track: the next follows when it ends
+            assert entry is not None
+            held = self._cache.transit_bytes + self._reserved()
+            avg = max(1, entry.largest_group)
+            room = limit - held
+            if held > 0 and room < avg:
+                since = self._stalled_since
+                if since is None or self._now < since + stall:
+                    if since is None:
+                        self._stalled_since = self._now
+                    waiting = True
+                    continue
+                # nothing drained for transit_stall: a subscriber that stopped reading
+                # holds the restores; one more group, so it holds back nobody else
+                self._stalled_since = self._now
+            else:
+                self._stalled_since = None
+            groups = self._next_wanted(track, entry, max(1, room // avg))
+            if groups is None:
+                track.wanted = GroupSet()
+                self._pacing.pop(track, None)
+                self._end_idle(track)
+                continue
+            if not self._fetch_groups(track, groups, avg * len(groups)):
+                track.wanted = GroupSet()  # no route left: the served fills end
+                self._pacing.pop(track, None)
+                self._end_idle(track)
+        if waiting:
+            self._pace_at = self._now + self.config.transit_poll
+
+    @staticmethod
+    def _next_wanted(track: Track, entry: CacheEntry, most: int) -> range | None:
+        """The next run of wanted groups still evicted (at most ``most`` of them), taken
+        out of ``Track.wanted``; ``None`` when none is left. O(intervals log intervals)."""
+        wanted = track.wanted
+        for start in (track.refetch_at, 0):
+            for a, b in wanted.intervals():
+                if b < start:
+                    continue
+                a = max(a, start)
+                run = entry.evicted.first_run(a, b)
+                if run is None:
+                    wanted.discard_range(a, b)  # cached again meanwhile
+                    continue
+                lo, hi = run[0], min(run[1], run[0] + most - 1)
+                wanted.discard_range(a, hi)
+                track.refetch_at = hi + 1 if hi < MAX_VI64 else 0
+                return range(lo, hi + 1)
+        return None
+
+    def _fetch_groups(self, track: Track, groups: range, estimate: int) -> bool:
+        """One upstream FETCH of evicted ``groups`` (a paced re-fetch); False: no route."""
         routes = self._routes(track.name.namespace, None)
         if not routes:
             return False
         peer = routes[0]
-        rid = peer.session.fetch(
-            track.name,
-            now=self._now,
-            location_filter=p.LocationFilter.absolute_group_end(groups.start, 0, groups.stop - 1),
-            priority=self.config.upstream_priority,
-        )
+        try:
+            rid = peer.session.fetch(
+                track.name,
+                now=self._now,
+                location_filter=p.LocationFilter.absolute_group_end(
+                    groups.start, 0, groups.stop - 1
+                ),
+                priority=self.config.upstream_priority,
+            )
+        except LocalProtocolError:
+            return False
         feed = Feed(
             peer,
             rid,
@@ -413,12 +541,30 @@ class RelayCore:
             purpose=FetchPurpose.REFETCH,
             groups=groups,
             span_from=Location(groups.start, 0),
+            reserved=estimate,
         )
+        self._refetches[feed] = None
         peer.feeds[rid] = feed
         track.fetches.append(feed)
         if track.entry is not None:
             self._cache.refetching(track.entry, groups)
         return True
+
+    def _reserved(self) -> int:
+        """Estimated bytes of the paced re-fetches in flight not arrived yet (ended ones,
+        whatever ended them, are forgotten here)."""
+        total = 0
+        for feed in list(self._refetches):
+            if feed.state is FeedState.DONE or feed not in feed.track.fetches:
+                del self._refetches[feed]
+            else:
+                total += feed.reserved
+        return total
+
+    def _refetch_arrived(self, feed: Feed, nbytes: int) -> None:
+        """Bytes of a paced re-fetch arrived (now counted in transit, or cached)."""
+        self._refetched_bytes += nbytes
+        feed.reserved = max(0, feed.reserved - nbytes)
 
     # --- the cache feed ------------------------------------------------------------------
 

@@ -47,8 +47,10 @@ session's ``max_queued_bytes_per_subscription`` (d21 section 5.2).
 Objects reaching the cache out of order (upstream subgroups, fills and
 fetches travel on separate streams) below a subscriber's live start are sent
 to it fill-delivered on a late fill stream (Ambiguity A27); objects of an
-evicted group fetched again are *restores*, sent only to fills that missed
-them (``MoqtSession.restoring``), so nobody gets an object twice
+evicted group fetched again (paced by ``RelayConfig.max_transit_bytes`` and
+shared by every fill that lacks them, :mod:`~kvcs_core.relay.core`) are
+*restores*, sent only to fills that missed them (``MoqtSession.restoring``),
+so nobody gets an object twice
 (:mod:`kvcs_core.moqt.publishing`). A SUBSCRIBE with Forward 0 is answered at
 once (it gets no object and no fill).
 
@@ -278,7 +280,10 @@ class Relay(Offers):
 
     def _settle(self) -> None:
         """After every input: the cache within its budget (cache docstring), and tracks
-        whose cache emptied forgotten if nothing else needs them."""
+        whose cache emptied forgotten if nothing else needs them; re-fetches waiting for
+        transit room looked at again (:meth:`RelayCore._pace`)."""
+        if self._pace_at is not None:
+            self._pace()
         cache = self._cache
         cache.settle(self._tier)
         if cache.emptied:
@@ -364,6 +369,7 @@ class Relay(Offers):
             sessions=len(self._peers),
             downstream_subscriptions=sum(len(t.served) for t in self._tracks.values()),
             transit_bytes=cache.transit_bytes,
+            refetch_bytes_received=self._refetched_bytes,
             refused_for_rate=self.refused_for_rate,
         )
 

@@ -37,7 +37,7 @@ import attrs
 from kvcs_core.moqt.events import ObjectReceived
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.windows import RangeFilterSet
-from kvcs_core.relay.cache import CacheEntry
+from kvcs_core.relay.cache import CacheEntry, GroupSet
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 from kvcs_core.wire.params import FillParameters, LocationFilter, Parameters
 
@@ -146,6 +146,9 @@ class Feed:
     """REFILL: the subscription or PUBLISH this fetch completes."""
     groups: range | None = None
     """REFETCH: the groups asked for."""
+    reserved: int = 0
+    """REFETCH: estimated bytes asked for and not arrived yet (counted against
+    ``RelayConfig.max_transit_bytes`` until they arrive or the fetch ends)."""
     filter_key: tuple[object, ...] | None = None
     """SERVE: what was asked, so that identical downstream FETCHes share one request."""
     span_from: Location | None = None
@@ -291,6 +294,11 @@ class Track:
     subgroup streams (wire reference 7.5, 7.8): a track the relay got by a fill or a FETCH
     never caches its End of Track object. Cleared when a new SUBSCRIBE or PUBLISH feeds
     the track."""
+    wanted: GroupSet = attrs.field(factory=GroupSet)
+    """Evicted groups some served fill still needs restored and no re-fetch has asked for
+    yet (paced re-fetches, :meth:`RelayCore._pace`)."""
+    refetch_at: int = 0
+    """Where the next paced re-fetch of ``wanted`` starts looking (it wraps around)."""
 
     @property
     def live(self) -> bool:

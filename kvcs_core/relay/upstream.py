@@ -36,11 +36,11 @@ max(upstream-reported, received) (wire reference 5.8; the store observes the
 upstream's value). A downstream REQUEST_UPDATE is answered by its own session
 from the cache (FORWARD first, then FILL_PARAMETERS, A16); the relay then
 propagates what it needs: the Forward State above; a fill crossing evicted
-groups FETCHes them upstream (the session delivers them on a late fill stream
-as they arrive, A27); NEW_GROUP_REQUEST goes upstream in an RU when it is 0 or
-above Largest Group, the track has DYNAMIC_GROUPS, and no request >= it is
-outstanding (until Largest Group grows; wire reference 5.8); copied into the
-upstream SUBSCRIBE when there is none yet.
+groups FETCHes them upstream, paced (:meth:`RelayCore._pace`; the session
+delivers them on a late fill stream as they arrive, A27); NEW_GROUP_REQUEST
+goes upstream in an RU when it is 0 or above Largest Group, the track has
+DYNAMIC_GROUPS, and no request >= it is outstanding (until Largest Group grows;
+wire reference 5.8); copied into the upstream SUBSCRIBE when there is none yet.
 
 **Feeding the cache**: every upstream ``ObjectReceived`` (subscription,
 fill or fetch delivered; status objects too) is appended to the track's store
@@ -463,6 +463,8 @@ class Upstream(RelayCore):
             track.clock = self._now
             for sub in track.served:
                 sub.peer.session.advance(self._now)
+        if feed.purpose is FetchPurpose.REFETCH:
+            self._refetch_arrived(feed, e.payload.nbytes)
         if (
             entry.evicted
             and e.location.group in entry.evicted
@@ -669,6 +671,7 @@ class Upstream(RelayCore):
             entry = track.entry
             if entry is not None and feed.groups is not None:
                 self._cache.unevict(entry, feed.groups)
+            self._pace()  # the next paced re-fetch (core module docstring)
             self._serve_pending(track)
         self._forget_idle(track)
 
@@ -747,6 +750,8 @@ class Upstream(RelayCore):
     # --- timers ---------------------------------------------------------------------------
 
     def _fire(self, now: float) -> None:
+        if self._pace_at is not None and self._pace_at <= now:
+            self._pace()  # re-fetches waiting for transit room (RelayCore._pace)
         for item in list(self._timed):
             if isinstance(item, Feed):
                 if item.deadline is not None and item.deadline <= now:
@@ -758,7 +763,7 @@ class Upstream(RelayCore):
                 self._serve_pending(item)
 
     def _deadline(self) -> float | None:
-        best: float | None = None
+        best: float | None = self._pace_at
         for item in self._timed:
             at = item.deadline if isinstance(item, Feed) else item.fill_deadline
             if at is not None and (best is None or at < best):
