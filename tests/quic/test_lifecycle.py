@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from test_quic_inprocess import _until
 
 from adapters.cachefile import CacheFile, llama_descriptor, synthetic
 from adapters.numpy_kv import KvDestination, layer_sections
@@ -76,14 +77,6 @@ def _run(
             warnings.simplefilter("ignore")  # strict_exception_groups=False is deprecated
             return trio.run(bounded, strict_exception_groups=strict)
     return asyncio.run(asyncio.wait_for(fn(), timeout))
-
-
-async def _until(b: ModuleType, cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await b.sleep(0.02)
 
 
 def _source(seed: int = 7) -> CacheFile:
