@@ -255,9 +255,14 @@ class RelayNet:
         return relay
 
     def add_publisher(
-        self, relay: Relay, namespaces: tuple[TrackNamespace, ...] = (NS,)
+        self,
+        relay: Relay,
+        namespaces: tuple[TrackNamespace, ...] = (NS,),
+        *,
+        bandwidth: float | None = None,
     ) -> Publisher:
-        """A publisher (server) linked to ``relay`` (its session there is upstream)."""
+        """A publisher (server) linked to ``relay`` (its session there is upstream), over a
+        link of ``bandwidth`` bytes/s (default: the loopback's)."""
         up = MoqtSession(self._config(Role.CLIENT))
         pub = MoqtSession(self._config(Role.SERVER))
         self.owner[up] = relay
@@ -266,7 +271,7 @@ class RelayNet:
         publisher.net = self.net
         publisher.namespaces = list(namespaces)
         self.publishers[pub] = publisher
-        self._connect(up, pub, f"pub{len(self.publishers)}")
+        self._connect(up, pub, f"pub{len(self.publishers)}", bandwidth)
         self.run_until(lambda: pub.setup_complete and up.setup_complete)
         for ns in namespaces:
             pub.publish_namespace(ns, now=self.now)

@@ -722,9 +722,11 @@ def test_conflicting_publishers_make_a_malformed_track() -> None:
     assert relay.cache_bytes == 0
 
 
-def test_a_slow_subscriber_is_ended_alone() -> None:
+def _slow_and_fast(budget: int) -> tuple[Subscriber, int, Subscriber, int]:
+    """A fast and a slow (20 kB/s, 4000-byte queue limit) subscriber of a 5-group track
+    through a relay with cache budget ``budget``."""
     rn = RelayNet()
-    relay = rn.add_relay()
+    relay = rn.add_relay(RelayConfig(cache_budget_bytes=budget, evict_to=0.5))
     pub = rn.add_publisher(relay)
     store = pub.serve(TrackStore(track("t")))
     fast = rn.add_subscriber(relay)
@@ -739,7 +741,24 @@ def test_a_slow_subscriber_is_ended_alone() -> None:
         produce(store, g, 8, size=SIZE)
     rn.settle(0.01)
     pub.end_track(store, rn.now)
-    rn.run_until(lambda: fast.done(rf) is not None and slow.done(rs) is not None)
+    rn.run_until(lambda: fast.done(rf) is not None and slow.done(rs) is not None, max_time=60)
+    return fast, rf, slow, rs
+
+
+def test_a_slow_subscriber_is_served_at_its_pace_from_the_cache() -> None:
+    """#11: a subscriber behind on a track the relay holds in its cache is never dropped:
+    its queue holds references into the cache, which bounds the memory."""
+    fast, rf, slow, rs = _slow_and_fast(1 << 30)
+    assert slow.done(rs).status == PublishDoneCode.TRACK_ENDED
+    assert slow.normal(rs) == expected(5, 8)
+    assert fast.done(rf).status == PublishDoneCode.TRACK_ENDED
+    assert fast.normal(rf) == expected(5, 8)
+
+
+def test_a_slow_subscriber_is_ended_alone_when_the_cache_evicts_its_queue() -> None:
+    """What only its queue still holds (the cache evicted it) counts against the slow
+    subscriber's limit: past it, it alone ends TOO_FAR_BEHIND (d21 5.2)."""
+    fast, rf, slow, rs = _slow_and_fast(4 * 8 * SIZE)  # two groups and the track record
     assert slow.done(rs).status == PublishDoneCode.TOO_FAR_BEHIND
     assert fast.done(rf).status == PublishDoneCode.TRACK_ENDED
     assert fast.normal(rf) == expected(5, 8)

@@ -1094,7 +1094,11 @@ def test_pipelined_overlapping_prefixes() -> None:
 # ----------------------------------------------------------------- a subscriber too far behind
 
 
-def _too_far_behind(*, update_in_flight: bool = False) -> tuple[World, Pair, Pair, int]:
+def _too_far_behind(
+    *, update_in_flight: bool = False, evict: bool = True
+) -> tuple[World, Pair, Pair, int]:
+    """50 kB queued for a 10 kB/s subscriber; with ``evict`` the store (a cache) lets go
+    of the group at once, so the queue alone holds it: past the 20 kB limit."""
     cfg = SessionConfig(role=Role.SERVER, max_queued_bytes_per_subscription=20_000)
     w = World()
     v = w.pair(server=cfg, bandwidth=10_000.0, latency=0.05)
@@ -1108,8 +1112,20 @@ def _too_far_behind(*, update_in_flight: bool = False) -> tuple[World, Pair, Pai
         w.net.poke(v.cli)
     for i in range(50):  # 50 kB at once on a 10 kB/s link
         v.store.append(0, i, bytes(1000))
+    if evict:
+        v.store.evict_group(0)
     w.net.run_until_idle(max_time=30.0)
     return w, v, b, rid
+
+
+def test_slow_subscriber_is_served_at_its_pace_while_the_store_holds_the_objects() -> None:
+    """The queue holds references into the store: nothing beyond it, no limit applies."""
+    w, v, b, rid = _too_far_behind(evict=False)
+    assert not w.events(v.cli, ev.PublishDoneReceived)
+    got = [e for e in w.events(v.cli, ev.ObjectReceived) if e.request_id == rid]
+    assert sorted(e.location.object for e in got) == list(range(50))
+    assert all(bytes(e.payload) == bytes(1000) for e in got)
+    w.assert_open(v.cli, v.srv)
 
 
 def test_subscriber_too_far_behind_gets_publish_done() -> None:

@@ -57,12 +57,29 @@ order (d21 sections 3, 5.1.2, 11):
   and payload as separate chunks (scatter/gather; payloads are views into the
   store, never copied). Fills and fetches read the store through a cursor, so a
   large range costs no queue memory.
+* **Cut-through (a relay's store still filling).** A cache may answer a
+  request before the objects it covers have all arrived (it knows the range
+  from its upstream's answer) and mark its store *filling*
+  (:attr:`TrackStore.filling`). Then a late-fill stream (A27) is not FIN'd
+  when drained but kept for the next object of its fill range, and a FETCH
+  served with a known End Location (``accept_fetch(..., end=...)``) keeps its
+  stream after its snapshot and sends each object of its range appended
+  later, in order; both finish when the store settles (or, for the FETCH,
+  once End Location is sent). An object that reaches such a FETCH out of
+  order cannot go on its one stream: the stream is reset (INTERNAL_ERROR),
+  a typed failure the consumer recovers from, never a silent gap.
+* **Queue limit.** Queued objects are references into the store: while the
+  store holds them they cost nothing beyond it, so a subscriber that is behind
+  is served at its own pace. What counts against
+  ``max_queued_bytes_per_subscription`` is what its queues hold of groups the
+  store has evicted since they were queued (the store tells its watchers);
+  past the limit the subscription ends with PUBLISH_DONE TOO_FAR_BEHIND and
+  its streams are reset (d21 5.2). A cache's budget, not a per-subscriber
+  queue, bounds memory.
 * **Ending**. ``end_subscription`` lets queued objects drain, FINs every stream,
   then sends PUBLISH_DONE with the stream count (d21 9.9: PUBLISH_DONE only after
   every stream is closed). A cancelled subscription resets all its streams
-  (d21 4.5). A subscription whose queue passes
-  ``max_queued_bytes_per_subscription`` ends with PUBLISH_DONE TOO_FAR_BEHIND
-  and its streams are reset (d21 5.2).
+  (d21 4.5).
 """
 
 from __future__ import annotations
@@ -80,6 +97,7 @@ from kvcs_core.moqt.output import Output
 from kvcs_core.moqt.requests import RequestRecord, RequestState
 from kvcs_core.moqt.scheduler import Delivery as SchedDelivery
 from kvcs_core.moqt.scheduler import Scheduler
+from kvcs_core.moqt.track_store import StoreChange
 from kvcs_core.moqt.transport_io import (
     AbortKind,
     SendDatagram,
@@ -143,8 +161,9 @@ class _FillRecord:
     late: _Sender | None = None
     """The open late-fill sender, if any (A27)."""
     restored: set[Location] = attrs.field(factory=set)
-    """Restored objects already sent on this fill: a group a cache evicts and fetches
-    again twice (two late joiners) is restored twice, and must reach the fill once."""
+    """Objects sent on this fill after its snapshot (late, restored or followed): a
+    group a cache evicts and fetches again (for another late joiner) is restored, and
+    must reach a fill that already got it once."""
 
 
 @attrs.define(eq=False)
@@ -189,6 +208,12 @@ class _Served:
     """Subgroups reset for a delivery timeout: never reopened (d21 section 5.2)."""
     fills: list[_FillRecord] = attrs.field(factory=list)
     """The fills opened for this subscription, newest last (A27 late objects)."""
+    watcher: ListenerHandle | None = None
+    unretained: dict[int, int] = attrs.field(factory=dict)
+    """Queued bytes per group the store evicted after they were queued (queue limit)."""
+    unretained_bytes: int = 0
+    fetch_range: tuple[Location, Location] | None = None
+    """A following FETCH (cut-through): its range, start and End Location."""
 
 
 @attrs.define(eq=False)
@@ -220,6 +245,8 @@ class _Sender:
     stream_header: bytes = b""
     """Subgroup sender whose stream is not open yet: its SUBGROUP_HEADER, written with
     the first pull, which opens the stream (``WriteStream.opens``)."""
+    follow: bool = False
+    """A late-fill or following-FETCH stream kept open while the store is filling."""
 
 
 _DELIVERY: dict[_Kind, int] = {
@@ -369,6 +396,7 @@ class Publisher:
         if fill is not None and served.forward:
             self._open_fill(served, rec.request_id, fill.params, largest)
         served.listener = store.subscribe_listener(lambda obj: self._on_object(served, obj))
+        served.watcher = store.watch(lambda c, v: self._on_store_change(served, c, v))
 
     def start_publish(
         self,
@@ -406,6 +434,7 @@ class Publisher:
         served.announced = store.largest
         self._served[rec.request_id] = served
         served.listener = store.subscribe_listener(lambda obj: self._on_object(served, obj))
+        served.watcher = store.watch(lambda c, v: self._on_store_change(served, c, v))
 
     def open_publish_fill(self, rec: RequestRecord, inner: p.Parameters) -> bool:
         """Ambiguity A10: a fill on the subscription our PUBLISH created, named by the
@@ -433,15 +462,30 @@ class Publisher:
         """A Track Alias not used by this session yet."""
         return self._take_alias()
 
-    def accept_fetch(self, rec: RequestRecord, store: TrackStore, now: float) -> bool:
+    def accept_fetch(
+        self,
+        rec: RequestRecord,
+        store: TrackStore,
+        now: float,
+        end_location: Location | None = None,
+        end_of_track: bool = False,
+    ) -> bool:
+        """FETCH_OK and the fetch stream. With ``end_location`` (a cache answering with its
+        upstream's FETCH_OK while the objects are still arriving): that End Location and
+        End Of Track, and the stream follows the store (module docstring, cut-through)."""
         self.now = now
         params = rec.params
         largest = store.largest
+        if end_location is not None and (largest is None or largest < end_location):
+            largest = end_location
         rng = fetch_range(params.get(p.LocationFilter), largest)
         order = _fill_or_fetch_order(params, GroupOrder.ASCENDING)
         snapshot = _snapshot(store, rng.start, rng.end, order) if rng is not None else []
         # End Location: the last object that exists in the range (Ambiguity A2d)
         end = max((o.location for o in snapshot), default=None)
+        follow = end_location is not None and rng is not None
+        if follow:
+            end = end_location
         if rng is None or end is None:
             self._out.send(
                 rec.stream,
@@ -459,14 +503,106 @@ class Publisher:
             filters=RangeFilterSet.from_params(params),
         )
         self._served[rec.request_id] = served
-        eot = store.end_of_track
-        # End Of Track = 1 iff the track is complete and End Location is its last object
-        end_of_track = eot is not None and self._last_existing(store, end, eot) == end
+        if not follow:
+            eot = store.end_of_track
+            # End Of Track = 1 iff the track is complete and End Location is its last object
+            end_of_track = eot is not None and self._last_existing(store, end, eot) == end
+        last = snapshot[-1].location if snapshot else None
         self._out.send(
             rec.stream, m.FetchOk(end_of_track, end, p.Parameters(), store.track_properties)
         )
-        self._add_cursor_sender(served, _Kind.FETCH, rec.request_id, snapshot, order)
+        sender = self._add_cursor_sender(served, _Kind.FETCH, rec.request_id, snapshot, order)
+        if follow and rng is not None and last != end and store.filling:
+            sender.follow = True
+            sender.last_loc = last
+            served.fetch_range = (rng.start, end)
+            served.listener = store.subscribe_listener(
+                lambda obj: self._on_fetch_object(sender, obj)
+            )
+            served.watcher = store.watch(lambda c, v: self._on_store_change(served, c, v))
         return True
+
+    def _on_fetch_object(self, sender: _Sender, obj: StoredObject) -> None:
+        """An object appended to the store of a following FETCH (module docstring)."""
+        served = sender.served
+        rng = served.fetch_range
+        if sender.finished or not sender.follow or rng is None:
+            return
+        loc = obj.location
+        if not (rng[0] <= loc <= rng[1]):
+            return
+        if obj.status is ObjectStatus.NORMAL and served.filters.matches(obj):
+            if not _follows(sender.last_loc, loc, served.group_order):
+                # it cannot go on the FETCH's one stream any more: a typed failure, no gap
+                self._detach(served)
+                self._abort_sender(sender, StreamResetCode.INTERNAL_ERROR)
+                self._maybe_finish(served)
+                return
+            sender.last_loc = loc
+            sender.queue.append(obj)
+            sender.enqueued.append(self.now)
+            served.queued_bytes += obj.size
+        if loc == rng[1]:
+            self._stop_following(sender)
+        self._reschedule(sender)
+
+    def end_fetch(self, rec: RequestRecord, *, ok: bool) -> None:
+        """A following FETCH's source is done: ``ok``, its stream FINs once drained; else
+        it is reset (INTERNAL_ERROR), never ended short as if complete."""
+        served = self._served.get(rec.request_id)
+        if served is None or served.done:
+            return
+        for sender in list(served.others):
+            if not sender.follow:
+                continue
+            if ok:
+                self._stop_following(sender)
+            else:
+                self._detach(served)
+                self._abort_sender(sender, StreamResetCode.INTERNAL_ERROR)
+        self._maybe_finish(served)
+
+    def _stop_following(self, sender: _Sender) -> None:
+        sender.follow = False
+        if sender.cursor is None:
+            sender.fin_when_drained = True
+        if sender.kind is _Kind.FETCH:
+            self._detach(sender.served)
+        self._reschedule(sender)
+
+    def _on_store_change(self, served: _Served, change: StoreChange, value: int) -> None:
+        """The store settled (following streams finish) or evicted group ``value``
+        (module docstring, queue limit)."""
+        if served.done:
+            return
+        if change is StoreChange.SETTLED:
+            for sender in list(served.others):
+                if sender.follow and not sender.finished:
+                    self._stop_following(sender)
+            return
+        held = 0
+        for sender in [*served.senders.values(), *served.others]:
+            if sender.kind is _Kind.SUBGROUP and sender.group_id != value:
+                continue
+            held += sum(o.size for o in sender.queue if o.location.group == value)
+        if held:
+            served.unretained[value] = served.unretained.get(value, 0) + held
+            served.unretained_bytes += held
+            if served.unretained_bytes > self._max_queued:
+                self._too_far_behind(served)
+
+    def _dequeued(self, served: _Served, obj: StoredObject) -> None:
+        served.queued_bytes -= obj.size
+        if served.unretained_bytes:
+            group = obj.location.group
+            left = served.unretained.get(group)
+            if left is not None:
+                n = min(left, obj.size)
+                served.unretained_bytes -= n
+                if left > n:
+                    served.unretained[group] = left - n
+                else:
+                    del served.unretained[group]
 
     def update_subscription(
         self, rec: RequestRecord, update_id: int, params: p.Parameters, now: float
@@ -513,6 +649,8 @@ class Publisher:
                 sender.fin_when_drained = True
                 if not sender.queue:
                     self._mark_finished(sender)
+            elif sender.follow:
+                self._stop_following(sender)  # no more objects come to it
         self._maybe_finish(served)
 
     def cancel(self, rec: RequestRecord) -> None:
@@ -606,7 +744,7 @@ class Publisher:
                 return None
             obj = sender.queue.popleft()
             sender.enqueued.popleft()
-            sender.served.queued_bytes -= obj.size
+            self._dequeued(sender.served, obj)
             out = self._datagram(sender.served, obj)
             if not sender.queue and sender.fin_when_drained:
                 self._mark_finished(sender)  # no stream to FIN: the flow just ends
@@ -652,7 +790,11 @@ class Publisher:
             if nxt is None:
                 if not chunks and (
                     sender.fin_when_drained
-                    or (sender.cursor is None and sender.kind is not _Kind.SUBGROUP)
+                    or (
+                        sender.cursor is None
+                        and sender.kind is not _Kind.SUBGROUP
+                        and not sender.follow
+                    )
                 ):
                     return self._fin(sender)
                 break
@@ -701,12 +843,14 @@ class Publisher:
                 if filters.matches(obj):
                     return obj
             sender.cursor = None
-            sender.fin_when_drained = True
-            return None
+            if not sender.follow:
+                sender.fin_when_drained = True
+            elif not sender.queue:
+                return None
         if sender.queue:
             obj = sender.queue.popleft()
             offered = sender.enqueued.popleft()
-            served.queued_bytes -= obj.size
+            self._dequeued(served, obj)
             if sender.kind is not _Kind.SUBGROUP:
                 return obj  # a late-fill stream (A27): fills carry no delivery timeout
             timeout = served.object_timeout
@@ -859,11 +1003,9 @@ class Publisher:
         sender.enqueued.append(self.now)
         if obj.status is not ObjectStatus.NORMAL and sender.complete_at is None:
             sender.complete_at = self.now  # the subgroup is complete: its timer starts
-        queued = served.queued_bytes = served.queued_bytes + obj.size
+        served.queued_bytes += obj.size
         if was_idle:  # a busy sender's key depends on its head object only: unchanged
             self._reschedule(sender)
-        if queued > self._max_queued:
-            self._too_far_behind(served)
 
     def _subgroup_sender(self, served: _Served, obj: StoredObject) -> _Sender:
         sub = obj.subgroup_id or 0
@@ -914,11 +1056,18 @@ class Publisher:
         order = _fill_or_fetch_order(inner, served.group_order)
         snapshot = _snapshot(served.store, rng.start, rng.end, order)
         groups = frozenset(o.location for o in snapshot)
+        last = snapshot[-1].location if snapshot else None
         sender = self._add_cursor_sender(served, _Kind.FILL, via_request_id, snapshot, order)
         # the fill inherits the subscription's range filters; inner ones override (d21 3.4)
         sender.filters = served.filters.apply_update(inner)
         fills = served.fills
-        fills.append(_FillRecord(via_request_id, rng.start, rng.end, order, sender.filters, groups))
+        record = _FillRecord(via_request_id, rng.start, rng.end, order, sender.filters, groups)
+        fills.append(record)
+        if served.store.filling:
+            # cut-through: the fill's own stream takes the objects still arriving
+            sender.follow = True
+            sender.last_loc = last
+            record.late = sender
         if len(fills) > _MAX_FILL_RECORDS:
             del fills[0]
 
@@ -931,15 +1080,17 @@ class Publisher:
         for fill in reversed(served.fills):
             if not (fill.start <= loc <= fill.end) or not fill.filters.matches(obj):
                 continue
-            if restored:
-                if loc in fill.groups or loc in fill.restored:
-                    return  # the subscriber got the object with the fill, or restored already
-                fill.restored.add(loc)
+            if restored and (loc in fill.groups or loc in fill.restored):
+                return  # the subscriber got the object with the fill, or after it
+            fill.restored.add(loc)
             sender = fill.late
             if sender is None or sender.finished or not _follows(sender.last_loc, loc, fill.order):
                 sender = self._new_sender(served, _Kind.FILL, priority=0)
                 sender.fetch_writer = FetchStreamWriter(fill.request_id, fill.order)
-                sender.fin_when_drained = True
+                # while the store fills (a cut-through relay) the stream waits for the next
+                # object of the range instead of one stream per arrival (module docstring)
+                sender.follow = served.store.filling and not restored
+                sender.fin_when_drained = not sender.follow
                 assert sender.stream is not None
                 self._out.write(sender.stream, sender.fetch_writer.header_bytes())
                 served.others.append(sender)
@@ -948,9 +1099,9 @@ class Publisher:
             sender.queue.append(obj)
             sender.enqueued.append(self.now)
             served.queued_bytes += obj.size
+            if sender.follow and loc == fill.end:
+                self._stop_following(sender)  # the fill's last object: nothing follows
             self._reschedule(sender)
-            if served.queued_bytes > self._config.max_queued_bytes_per_subscription:
-                self._too_far_behind(served)
             return
 
     def _add_cursor_sender(
@@ -1041,6 +1192,9 @@ class Publisher:
         if served.listener is not None:
             served.store.remove_listener(served.listener)
             served.listener = None
+        if served.watcher is not None:
+            served.store.remove_listener(served.watcher)
+            served.watcher = None
 
     def _abort_sender(self, sender: _Sender, code: int) -> None:
         if sender.finished:
@@ -1068,6 +1222,7 @@ class Publisher:
         if served.ending is None:
             if rec.kind.name == "FETCH" and not served.others:
                 # every object of the FETCH was sent and the stream FIN'd
+                self._detach(served)
                 served.done = True
                 rec.state = RequestState.DONE
                 self._served.pop(rec.request_id, None)

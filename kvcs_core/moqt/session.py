@@ -88,7 +88,7 @@ from kvcs_core.wire.codes import (
     StreamResetCode,
 )
 from kvcs_core.wire.errors import NEED_MORE, CodecError
-from kvcs_core.wire.names import FullTrackName, TrackNamespace
+from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 from kvcs_core.wire.objects import UniStreamKind, peek_uni_stream_type
 from kvcs_core.wire.scopes import PUBLISH_PARAMS
 
@@ -497,15 +497,39 @@ class MoqtSession(PeerRequests, OwnRequests):
         rec.state = RequestState.ESTABLISHED
         self._answered(rec, now)
 
-    def accept_fetch(self, request_id: int, store: TrackStore, *, now: float) -> None:
-        """Serve a FETCH from ``store``: FETCH_OK, then the objects on a fetch stream."""
+    def accept_fetch(
+        self,
+        request_id: int,
+        store: TrackStore,
+        *,
+        now: float,
+        end_location: Location | None = None,
+        end_of_track: bool = False,
+    ) -> None:
+        """Serve a FETCH from ``store``: FETCH_OK, then the objects on a fetch stream.
+
+        A cache that answers before the objects have arrived (its upstream's FETCH_OK
+        in hand, the store :attr:`~TrackStore.filling`) passes that answer's
+        ``end_location`` and ``end_of_track``: the stream then sends each object of the
+        range as it reaches the store, until :meth:`end_fetch` or End Location
+        (:mod:`kvcs_core.moqt.publishing`, cut-through)."""
         self._advance(now)
         rec = self._peer_pending(request_id, ev.RequestKind.FETCH)
-        if self.publisher.accept_fetch(rec, store, now):
+        if self.publisher.accept_fetch(rec, store, now, end_location, end_of_track):
             rec.state = RequestState.ESTABLISHED
         else:
             rec.state = RequestState.FAILED
         self._answered(rec, now)
+
+    def end_fetch(self, request_id: int, *, ok: bool, now: float) -> None:
+        """The source of a FETCH accepted with ``end_location`` is done: ``ok`` lets its
+        stream FIN once drained; otherwise the stream is reset (INTERNAL_ERROR). Nothing
+        for a FETCH that is already over."""
+        self._advance(now)
+        rec = self.requests.get(request_id)
+        if rec is None or rec.mine or rec.kind is not ev.RequestKind.FETCH:
+            return
+        self.publisher.end_fetch(rec, ok=ok)
 
     def accept_track_status(self, request_id: int, store: TrackStore, *, now: float) -> None:
         """TRACK_STATUS_OK with LARGEST_OBJECT and Track Properties, then FIN (d21 9.13)."""

@@ -53,6 +53,15 @@ added is called from the next object on. If listeners raise, the rest are still
 called and the first exception (or an ``ExceptionGroup`` of all of them) is
 re-raised after the last one: the object stays stored.
 
+Filling and eviction watchers (cut-through relaying): a cache that has
+answered requests for objects still on their way from upstream marks the store
+:attr:`TrackStore.filling` (:meth:`TrackStore.set_filling`); a session keeps
+the fetch-format streams of such requests open while it is set, sending each
+object as it arrives, and finishes them when it is cleared. Watchers
+(:meth:`TrackStore.watch`) are told when the store settles (filling cleared)
+and when a group is evicted (a session then counts what its queues still hold
+of that group, the only bytes a slow subscriber costs beyond the cache).
+
 Range iteration (:meth:`TrackStore.objects_in`) is lazy and tolerant of
 concurrent appends and evictions: the cursor re-finds its place by bisection on
 each step, so an object appended ahead of the cursor is yielded, one appended
@@ -62,6 +71,7 @@ behind it is not, and an evicted one is skipped.
 from __future__ import annotations
 
 import bisect
+import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
@@ -74,6 +84,7 @@ from kvcs_core.wire.names import FullTrackName, Location
 
 __all__ = [
     "BeyondEnd",
+    "StoreChange",
     "ConflictingObject",
     "ListenerHandle",
     "MalformedTrack",
@@ -83,6 +94,15 @@ __all__ = [
 ]
 
 _EMPTY: Final = memoryview(b"")
+
+
+class StoreChange(enum.IntEnum):
+    """What a watcher (:meth:`TrackStore.watch`) is told about."""
+
+    SETTLED = 1
+    """The store stopped filling: no object announced as on its way will come now."""
+    EVICTED = 2
+    """A group was evicted (the value passed along is its Group ID)."""
 
 
 class MalformedTrack(LocalProtocolError, ValueError):
@@ -223,6 +243,7 @@ class ListenerHandle:
 
 
 Listener = Callable[[StoredObject], None]
+Watcher = Callable[[StoreChange, int], None]
 
 
 def _immutable(props: KeyValuePairs) -> tuple[KeyValuePair, ...]:
@@ -299,6 +320,8 @@ class TrackStore:
         self._listeners: dict[int, Listener] = {}
         self._next_listener = 0
         self._notifying = False
+        self._watchers: dict[int, Watcher] = {}
+        self._filling = False
 
     # --- getters ---------------------------------------------------------------
 
@@ -421,8 +444,34 @@ class TrackStore:
         return handle
 
     def remove_listener(self, handle: ListenerHandle) -> None:
-        """Stop calling a listener; removing one that is already gone does nothing."""
+        """Stop calling a listener (or watcher); removing one already gone does nothing."""
         self._listeners.pop(handle.id, None)
+        self._watchers.pop(handle.id, None)
+
+    def watch(self, callback: Watcher) -> ListenerHandle:
+        """Call ``callback(change, value)`` on every :class:`StoreChange` (module docstring).
+
+        Remove it with :meth:`remove_listener`, like an object listener."""
+        handle = ListenerHandle(self._next_listener)
+        self._next_listener += 1
+        self._watchers[handle.id] = callback
+        return handle
+
+    @property
+    def filling(self) -> bool:
+        """Objects answered for are still on their way into the store (module docstring)."""
+        return self._filling
+
+    def set_filling(self, on: bool) -> None:
+        """Mark the store filling, or settled; settling tells every watcher."""
+        was, self._filling = self._filling, on
+        if was and not on:
+            self._tell(StoreChange.SETTLED, 0)
+
+    def _tell(self, change: StoreChange, value: int) -> None:
+        for wid, cb in tuple(self._watchers.items()):
+            if wid in self._watchers:
+                cb(change, value)
 
     def _notify(self, obj: StoredObject) -> None:
         errors: list[Exception] = []
@@ -824,6 +873,8 @@ class TrackStore:
         freed = sum(o.size for o in grp.objects.values())
         self._total_bytes -= freed
         self._count -= len(grp.objects)
+        if self._watchers:
+            self._tell(StoreChange.EVICTED, group_id)
         return freed
 
     def __repr__(self) -> str:

@@ -8,9 +8,14 @@ router, the timers) and the steps used on both sides of the relay:
 * :meth:`RelayCore._serve_pending` answers the downstream SUBSCRIBEs waiting
   on a track. A SUBSCRIBE is accepted (``accept_subscribe`` from the track's
   store: the downstream session computes the window and the fill from the
-  store's Largest Object in one step, A27) only when the cache is *whole*: an
+  store's Largest Object in one step, A27) when the cache is *whole* (an
   upstream subscription is established and its own fill completed, so every
-  object up to Largest Object is in the store. That is what makes the
+  object up to Largest Object is in the store) or, cut-through, as soon as the
+  upstream fill's range is known (its SUBSCRIBE_OK: the store takes its
+  LARGEST_OBJECT and is marked *filling*, :meth:`RelayCore._mark_filling`; the
+  downstream fill then follows the upstream one, each object sent as it
+  arrives, and finishes when the store settles after every upstream fill and
+  serving FETCH is over, :meth:`RelayCore._settle_filling`). That is what makes the
   downstream exactly-once recipe (NEXT_OBJECT + FILL{ABSOLUTE_START 0,0}, wire
   reference 6) hold through the relay for subscribers joining at any time:
   their fill reads the store up to Largest Object, their live part starts
@@ -134,6 +139,8 @@ class RelayCore:
         """Since when re-fetches wait for transit room without anything draining."""
         self._timed: dict[Feed | Track, None] = {}
         """Feeds waiting after PUBLISH_DONE, tracks waiting for their fill: the timers."""
+        self._filling: dict[Track, None] = {}
+        """Tracks whose store is marked filling (:meth:`_mark_filling`)."""
         self._now = 0.0
 
     # --- small queries ------------------------------------------------------------------
@@ -306,6 +313,44 @@ class RelayCore:
         ):
             session.end_subscription(sub.request_id, status, reason, now=self._now)
 
+    # --- cut-through (relay module docstring) -------------------------------------------
+
+    @staticmethod
+    def _still_filling(track: Track) -> bool:
+        """Objects answered for downstream are still on their way from upstream: a fill
+        whose range is known and not yet finished, or a FETCH serving downstream or
+        refilling."""
+        if track.entry is None or track.malformed:
+            return False
+        if any(f.fill_open and f.delivering for f in track.feeds):
+            return True
+        return any(
+            f.purpose in (FetchPurpose.SERVE, FetchPurpose.REFILL) for f in track.fetches
+        )
+
+    def _mark_filling(self, track: Track) -> None:
+        """Mark the track's store filling (the downstream sessions keep fill and FETCH
+        streams open for what still arrives); cleared by :meth:`_settle_filling`."""
+        entry = track.entry
+        if entry is not None and not track.malformed:
+            entry.store.set_filling(True)
+            self._filling[track] = None
+
+    def _settle_filling(self) -> None:
+        """After every input: stores no longer filling are settled (their following
+        streams finish once drained)."""
+        for track in [t for t in self._filling if not self._still_filling(t)]:
+            del self._filling[track]
+            if track.entry is not None:
+                track.entry.store.set_filling(False)
+
+    @staticmethod
+    def _streaming_fill(track: Track) -> bool:
+        """An upstream subscription is established and its fill's range is known (its
+        SUBSCRIBE_OK or REQUEST_UPDATE_OK arrived): a downstream SUBSCRIBE can be answered
+        now, its fill following the upstream one object by object."""
+        return any(f.delivering and f.fill_open for f in track.feeds)
+
     def _track_live(self, track: Track) -> None:
         """Hook: an upstream subscription or PUBLISH of ``track`` was established."""
 
@@ -333,10 +378,12 @@ class RelayCore:
         if active:
             if not any(f.delivering for f in track.feeds):
                 return  # wait for SUBSCRIBE_OK (or the PUBLISH)
-            # a forwarding SUBSCRIBE waits for the cache to be whole (the upstream fill,
-            # or its timeout); one with Forward 0 gets no object and no fill (wire ref. 6
-            # item 4): it is answered at once, with the Largest Object known now
-            ready = track.whole or track.forced
+            # a forwarding SUBSCRIBE waits for the upstream fill's range to be known (then
+            # its own fill follows the upstream's as objects arrive: cut-through), the
+            # cache to be whole, or the fill timeout; one with Forward 0 gets no object and
+            # no fill (wire ref. 6 item 4): it is answered at once, with the Largest
+            # Object known now
+            ready = track.whole or track.forced or self._streaming_fill(track)
         if entry is None:
             code, reason = track.last_error or (
                 RequestErrorCode.DOES_NOT_EXIST,

@@ -35,14 +35,20 @@ The relay is split by concern:
 exactly against the tracks the relay knows. If an upstream subscription is
 established and the cache is whole, the SUBSCRIBE is accepted at once from the
 store; otherwise the relay subscribes upstream (once, for every subscriber) and
-accepts when the upstream SUBSCRIBE_OK arrived and its fill completed, or
-refuses with the upstream's REQUEST_ERROR code, or DOES_NOT_EXIST when no
-route exists (:mod:`~kvcs_core.relay.core`). Objects then reach each
+accepts as soon as the upstream SUBSCRIBE_OK has arrived (**cut-through**: its
+LARGEST_OBJECT becomes the store's, the store is marked *filling*, and the
+downstream fill follows the upstream fill object by object as it arrives,
+while live objects flow meanwhile), or refuses with the upstream's
+REQUEST_ERROR code, or DOES_NOT_EXIST when no route exists
+(:mod:`~kvcs_core.relay.core`). Objects then reach each
 subscriber exactly once, whenever it joined, through the store and the
 session's fill (wire reference 6). Each downstream session enforces its own
-filters, priorities, delivery timeouts and queue limit: one slow subscriber is
-ended alone with PUBLISH_DONE TOO_FAR_BEHIND when its queue passes its
-session's ``max_queued_bytes_per_subscription`` (d21 section 5.2).
+filters, priorities, delivery timeouts and queue limit. A subscriber that is
+behind is served at its own pace: its queues hold references into the cache,
+which costs nothing beyond it; only what they hold of groups the cache has
+evicted counts against its session's ``max_queued_bytes_per_subscription``,
+past which it alone ends with PUBLISH_DONE TOO_FAR_BEHIND (d21 section 5.2,
+:mod:`kvcs_core.moqt.publishing`).
 
 Objects reaching the cache out of order (upstream subgroups, fills and
 fetches travel on separate streams) below a subscriber's live start are sent
@@ -284,6 +290,8 @@ class Relay(Offers):
         transit room looked at again (:meth:`RelayCore._pace`)."""
         if self._pace_at is not None:
             self._pace()
+        if self._filling:
+            self._settle_filling()
         cache = self._cache
         cache.settle(self._tier)
         if cache.emptied:
@@ -531,6 +539,8 @@ class Relay(Offers):
         for f in track.fetches:
             if f.purpose is FetchPurpose.SERVE and f.filter_key == key:
                 f.waiters.append(fetch)  # the same range is being fetched: share it
+                if f.streaming:
+                    self._stream_fetch(f, fetch)  # joins it where it has got to
                 return
         up = routes[0]
         rid = up.session.fetch(
@@ -649,6 +659,8 @@ class Relay(Offers):
             for f in fetch.track.fetches:
                 if fetch in f.waiters:
                     f.waiters.remove(fetch)
+                if fetch in f.following:
+                    f.following.remove(fetch)  # its session reset the stream (d21 4.5)
             return
         if self._router.remove_subscription(peer.session, rid):
             return
@@ -765,6 +777,8 @@ class Relay(Offers):
             for f in fetch.track.fetches:
                 if fetch in f.waiters:
                     f.waiters.remove(fetch)
+                if fetch in f.following:
+                    f.following.remove(fetch)
         peer.fetches.clear()
         peer.tracks_subs.clear()
         peer.tracks_up.clear()

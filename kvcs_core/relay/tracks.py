@@ -140,6 +140,10 @@ class Feed:
     accepted: bool = False
     stream_done: bool = False
     waiters: list[DownstreamFetch] = attrs.field(factory=list)
+    following: list[DownstreamFetch] = attrs.field(factory=list)
+    """SERVE fetch: downstream FETCHes answered at our FETCH_OK, fed as objects arrive."""
+    streaming: bool = False
+    """SERVE fetch answered downstream as it arrives (cut-through, relay module docstring)."""
     reset_code: int | None = None
     """FETCH: the response stream was reset with this code."""
     refill_of: Feed | None = None

@@ -81,12 +81,19 @@ nothing is left to save, and the pause would leave the cache not whole.
 up to Largest Object, no evicted group in the range, and Largest Object is
 current: a live upstream subscription or an ended track) is served from the
 store at once. Otherwise the relay FETCHes the same range upstream once (equal
-downstream FETCHes share it), caches what arrives, and answers with
-``accept_fetch`` from the store when the upstream FETCH completed (FETCH_OK and
-the stream's FIN) - the simple correct form of d21 section 7.4: FETCH_OK only
-once End Location is known. An upstream failure is passed on as the same
-REQUEST_ERROR, unless the cache holds objects of the range (then they are
-served).
+downstream FETCHes share it) and caches what arrives. **Cut-through**: when the
+upstream FETCH_OK arrives (End Location known, d21 section 7.4) and the cache
+holds nothing of the range yet, every waiting downstream FETCH is answered with
+that End Location and End Of Track, and its stream follows the store, sending
+each object as it arrives (the store is marked *filling*); a FETCH of the same
+range arriving later joins where the upstream one has got to (its snapshot is
+what arrived so far, in order). When the upstream FETCH ends, their streams FIN
+once drained, or are reset if it failed (INTERNAL_ERROR: never ended short as
+if complete). Otherwise (part of the range cached, descending order) the relay
+answers with ``accept_fetch`` from the store when the upstream FETCH completed
+(FETCH_OK and the stream's FIN). An upstream failure before any answer is
+passed on as the same REQUEST_ERROR, unless the cache holds objects of the
+range (then they are served).
 """
 
 from __future__ import annotations
@@ -113,6 +120,7 @@ from kvcs_core.relay.tracks import (
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import (
     EndOfRange,
+    GroupOrder,
     ObjectStatus,
     PropertyType,
     PublishDoneCode,
@@ -217,6 +225,11 @@ class Upstream(RelayCore):
             else:
                 track.fill_deadline = self._now + self.config.fill_timeout
                 self._timed[track] = None
+                # cut-through: the store's Largest Object is the upstream's now, so a
+                # downstream SUBSCRIBE answered before the fill arrives gets its live part
+                # after it and the rest on its fill as it arrives (wire reference 6, A27)
+                if self._observe(track, largest):
+                    self._mark_filling(track)
         else:
             self._feed_whole(feed)  # wire reference 6 item 2: nothing before, no fill stream
 
@@ -629,7 +642,48 @@ class Upstream(RelayCore):
         feed.end_location = e.end_location
         if not self._make_store(feed.track, e.track_properties):
             return
+        if feed.purpose is FetchPurpose.SERVE and not feed.stream_done:
+            self._start_streaming(feed)
         self._check_fetch(feed)
+
+    def _start_streaming(self, feed: Feed) -> None:
+        """Cut-through FETCH: with our FETCH_OK in hand, answer the downstream FETCHes now
+        and feed them as objects arrive, if none of the range is cached yet (so every
+        object reaches the store in the fetch stream's order; module docstring, FETCH)."""
+        track, entry, end = feed.track, feed.track.entry, feed.end_location
+        if entry is None or end is None:
+            return
+        lf = feed.filter_key[0] if feed.filter_key else None
+        rng = fetch_range(lf if isinstance(lf, p.LocationFilter) else None, end)
+        if rng is None or next(iter(entry.store.objects_in(rng.start, rng.end)), None):
+            return  # part of it cached already: answered when the upstream FETCH is done
+        feed.streaming = True
+        self._mark_filling(track)
+        for w in list(feed.waiters):
+            self._stream_fetch(feed, w)
+
+    def _stream_fetch(self, feed: Feed, fetch: DownstreamFetch) -> bool:
+        """Answer ``fetch`` from the store with the upstream's End Location, following the
+        store; False (it waits for the upstream FETCH to end) for descending order."""
+        order = fetch.params.get(p.GroupOrderParam)
+        entry = feed.track.entry
+        if entry is None or (order is not None and order.order is GroupOrder.DESCENDING):
+            return False
+        if fetch in feed.waiters:
+            feed.waiters.remove(fetch)
+        if not self._pending(fetch.peer, fetch.request_id, ev.RequestKind.FETCH):
+            fetch.peer.fetches.pop(fetch.request_id, None)
+            return True
+        fetch.peer.session.accept_fetch(
+            fetch.request_id,
+            entry.store,
+            now=self._now,
+            end_location=feed.end_location,
+            end_of_track=feed.end_of_track,
+        )
+        self._cache.touch(entry)
+        feed.following.append(fetch)
+        return True
 
     def _on_range_marker(self, peer: Peer, e: ev.RangeMarkerReceived) -> None:
         """End of Unknown / Timed-Out Range on one of our FETCHes: its range is not whole."""
@@ -657,6 +711,11 @@ class Upstream(RelayCore):
         if ok and feed.end_of_track:
             self._fetched_to_end(feed)
         if feed.purpose is FetchPurpose.SERVE:
+            for w in feed.following:
+                w.peer.fetches.pop(w.request_id, None)
+                if not w.peer.session.is_closed:
+                    w.peer.session.end_fetch(w.request_id, ok=ok, now=self._now)
+            feed.following = []
             for w in feed.waiters:
                 w.peer.fetches.pop(w.request_id, None)
                 if track.entry is not None and (ok or self._has_objects(w)):
