@@ -1120,7 +1120,7 @@ def _too_far_behind(
 
 def test_slow_subscriber_is_served_at_its_pace_while_the_store_holds_the_objects() -> None:
     """The queue holds references into the store: nothing beyond it, no limit applies."""
-    w, v, b, rid = _too_far_behind(evict=False)
+    w, v, _b, rid = _too_far_behind(evict=False)
     assert not w.events(v.cli, ev.PublishDoneReceived)
     got = [e for e in w.events(v.cli, ev.ObjectReceived) if e.request_id == rid]
     assert sorted(e.location.object for e in got) == list(range(50))

@@ -84,10 +84,10 @@ from kvcs_core.wire.names import FullTrackName, Location
 
 __all__ = [
     "BeyondEnd",
-    "StoreChange",
     "ConflictingObject",
     "ListenerHandle",
     "MalformedTrack",
+    "StoreChange",
     "StoredObject",
     "TrackStore",
     "as_payload_view",
