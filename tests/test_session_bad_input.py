@@ -1155,3 +1155,29 @@ def test_subscription_ended_too_far_behind_with_an_update_in_flight() -> None:
     assert (done.request_id, done.status) == (rid, PublishDoneCode.TOO_FAR_BEHIND)
     w.assert_open(v.cli, v.srv)
     w.prove_alive(b)
+
+
+# ------------------------------------------------- an answer in flight when we cancelled
+
+
+def test_an_answer_in_flight_to_a_cancelled_subscribe_is_ignored() -> None:
+    """#11: a consumer cancelled a SUBSCRIBE while the relay's SUBSCRIBE_OK was on its way
+    and closed its own session (PROTOCOL_VIOLATION "SUBSCRIBE_OK not expected on a
+    SUBSCRIBE stream"). A QUIC stack may still deliver bytes that were in flight when we
+    sent STOP_SENDING (the loopback discards them, so they are handed over directly):
+    what the peer sent before it saw our reset is no violation."""
+    w = World()
+    v = w.pair(latency=0.05, objects=3)
+    w.setup(v)
+    rid = v.cli.subscribe(TRACK, now=w.now)
+    w.net.poke(v.cli)
+    w.net.run_until(lambda: bool(w.events(v.srv, ev.SubscribeRequested)))
+    v.cli.cancel(rid, now=w.now)
+    w.net.poke(v.cli)
+    answer = m.encode_message(m.SubscribeOk(7, p.Parameters(), ()))
+    v.cli.handle_transport_event(StreamData(stream=v.cli.requests[rid].stream, data=answer), w.now)
+    w.net.poke(v.cli)
+    w.run(0.5)
+    w.assert_open(v.cli, v.srv)
+    assert not w.events(v.cli, ev.SubscribeAccepted)
+    w.prove_alive(v)

@@ -36,6 +36,10 @@ class OwnRequests(SessionCore):
 
     def _on_responder_message(self, rec: RequestRecord, msg: m.ControlMessage, now: float) -> None:
         """A message from the peer on a request stream we opened."""
+        if rec.cancelled:
+            # we reset the stream and sent STOP_SENDING (d21 6.4.2.3); bytes the peer sent
+            # before seeing that may still be delivered: they answer nothing any more
+            return
         if isinstance(msg, m.Goaway):
             if rec.goaway_seen:
                 raise PeerViolation(SessionErrorCode.PROTOCOL_VIOLATION, "second GOAWAY on stream")

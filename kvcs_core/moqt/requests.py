@@ -85,6 +85,8 @@ class RequestRecord:
     peer_fin: bool = False
     local_fin: bool = False
     goaway_seen: bool = False
+    cancelled: bool = False
+    """Ours, cancelled locally: what the peer sent before it saw our reset is ignored."""
     deferred_updates: list[object] = attrs.field(factory=list)
     """Peer REQUEST_UPDATEs that arrived before we answered the request itself: they are
     answered after it, because answers are matched by order (wire reference 4.4)."""

@@ -455,6 +455,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         else:
             self._abort_request_stream(rec, StreamResetCode.CANCELLED)
         rec.state = RequestState.FAILED
+        rec.cancelled = True
         self._timers.cancel_request(request_id)
         self.receiver.request_finished(rec)
 
