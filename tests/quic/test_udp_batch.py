@@ -429,24 +429,24 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsConfig:
     return self_signed(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.mark.parametrize(
-    "stack",
-    [
-        "aioquic",
-        pytest.param("qh3", marks=pytest.mark.skipif(not HAVE_QH3, reason="qh3 is not installed")),
-    ],
-)
+STACKS = [
+    "aioquic",
+    pytest.param("qh3", marks=pytest.mark.skipif(not HAVE_QH3, reason="qh3 is not installed")),
+]
+
+
+@pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("loop", sorted(LOOPS))
 def test_kvcs_over_quic_uses_gso_and_gro(
     loop: str, stack: str, tls: TlsConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KVCS_UDP_GSO", raising=False)
-    stats = _run(loop, lambda: _transfer(LOOPS[loop], stack, tls))
     probe = UdpSocket("127.0.0.1", 0)
     gso, gro = probe.gso, probe.gro
     probe.close()
     if not gso:
-        pytest.skip("this kernel refuses UDP_SEGMENT: the transfer ran on the fallback")
+        pytest.skip("this kernel refuses UDP_SEGMENT (the fallback is tested with GSO off)")
+    stats = _run(loop, lambda: _transfer(LOOPS[loop], stack, tls))
     for who, s in stats.items():
         assert s["gso"] and s["dropped"] == 0, (who, s)
     # the endpoint handed the socket whole flushes: the cache went out in GSO runs
@@ -455,3 +455,15 @@ def test_kvcs_over_quic_uses_gso_and_gro(
     assert producer["gso_runs"] > 0 and producer["send_calls"] < producer["datagrams_sent"]
     if gro:  # and arrived coalesced, split again by the receiving socket
         assert relay["gro_segments"] > 0 and consumer["gro_segments"] > 0, stats
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_kvcs_over_quic_with_gso_off(
+    loop: str, stack: str, tls: TlsConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCS_UDP_GSO", "0")
+    stats = _run(loop, lambda: _transfer(LOOPS[loop], stack, tls))
+    for who, s in stats.items():
+        assert not s["gso"] and not s["gro"] and s["gso_runs"] == 0, (who, s)
+        assert s["send_calls"] == s["datagrams_sent"] > 0 and s["gro_segments"] == 0, (who, s)
