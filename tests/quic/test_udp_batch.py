@@ -10,8 +10,9 @@ arrives. A send that would block is injected by a wrapper around the real
 socket (loopback UDP never blocks a sender: the kernel frees the send buffer
 as soon as a datagram is queued at the receiver, or dropped), to check that
 what was not sent waits in order. Last, kvcs transfers a cache over real QUIC
-on each stack and loop with GSO on: bit-identical, and GSO runs and GRO
-segments were used.
+on each stack and loop, with GSO on (bit-identical, and GSO runs and GRO
+segments were used: the endpoint hands the socket whole flushes) and with
+``KVCS_UDP_GSO=0`` (bit-identical, one send call per datagram).
 """
 
 from __future__ import annotations
