@@ -7,7 +7,8 @@ non-blocking UDP socket inside the running asyncio loop: a reader callback
 (``loop.add_reader``) drains the socket into the endpoint, one ``call_at``
 handle tracks :meth:`~.endpoint.QuicEndpoint.get_timer`, and
 :meth:`AsyncioDriver.wake` schedules one :meth:`~.endpoint.QuicEndpoint.service`
-per loop iteration however many inputs arrived. After each service every
+per loop iteration however many inputs arrived, whose datagrams go to the
+socket in one ``send_batch`` (GSO runs, :mod:`.udp`). After each service every
 ``wait_for`` re-checks its predicate. That is the whole binding: the protocol
 lives in the core, the wiring in :mod:`.endpoint` and :mod:`.apps`, the
 user-facing API in :mod:`.api`.

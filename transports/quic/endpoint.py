@@ -7,8 +7,9 @@ clock and does only three things: hand every datagram it reads to
 :meth:`QuicEndpoint.receive_datagram`, call :meth:`QuicEndpoint.handle_timer`
 when :meth:`QuicEndpoint.get_timer` falls due, and after either (or after the
 application did something) call :meth:`QuicEndpoint.service` and send the
-datagrams it returns. Everything else is here, free of I/O, so both drivers
-(and any other loop) share it.
+datagrams it returns, all of them in one call to the socket (so that
+:mod:`.udp` can send them as GSO runs). Everything else is here, free of I/O,
+so both drivers (and any other loop) share it.
 
 * **Demultiplexing** (RFC 9000 section 5.2): datagrams are routed by their
   Destination Connection ID to the connection that issued it. A server creates

@@ -7,7 +7,8 @@ two trio tasks in a nursery: a *reader* that waits until the UDP socket is
 readable (``trio.lowlevel.wait_readable``), drains it into the endpoint and
 services it; and a *ticker* that sleeps until :meth:`~.endpoint.QuicEndpoint.get_timer`
 or until :meth:`TrioDriver.wake` is called (after the application commanded
-something), then fires timers and services. A send that would block waits
+something), then fires timers and services. Each service's datagrams go to
+the socket in one ``send_batch`` (GSO runs, :mod:`.udp`). A send that would block waits
 for writability in the reader loop's stead (``wait_writable``). After each
 service every ``wait_for`` re-checks its predicate. The clock is
 ``trio.current_time()``.

@@ -1,33 +1,219 @@
-"""A non-blocking UDP socket read and written in batches (used by both event-loop bindings).
+"""A non-blocking UDP socket read and written in batches, with Linux UDP GSO and GRO.
 
-Reading drains every datagram the kernel holds (up to a bound) before the
-endpoint is serviced once, so a burst of packets costs one round of session
-work, not one per packet. A send that would block keeps the rest in order for
-when the socket is writable again (bounded: beyond ``max_pending`` datagrams
-the oldest are dropped, which QUIC treats as loss).
+Theory of operation
+-------------------
+Both event-loop bindings (:mod:`.asyncio_binding`, :mod:`.trio_binding`) and
+both QUIC stacks (aioquic, qh3) use this one socket. The endpoint hands it a
+whole flush at once (every datagram :meth:`~.endpoint.QuicEndpoint.service`
+produced after servicing its connections), and it drains every datagram the
+kernel holds (up to a bound) before the endpoint is serviced once, so a burst
+of packets costs one round of session work, not one per packet.
+
+**Sends: UDP GSO** (generic segmentation offload, Linux 4.18 and later). One
+``sendmsg`` carrying a ``UDP_SEGMENT`` control message (level ``SOL_UDP`` =
+17, type 103, a 16-bit segment size) hands the kernel a buffer that it cuts
+into datagrams of that size, the last one possibly shorter, all to the same
+address: one system call and one trip through the network stack for up to
+:data:`GSO_MAX_SEGMENTS` (64, the kernel's ``UDP_MAX_SEGMENTS``) datagrams of
+at most :data:`GSO_MAX_BYTES` (65507, the largest UDP payload over IPv4) in
+all. The receiver sees ordinary datagrams. So a flush is planned
+(:func:`plan_runs`, a pure function) into *runs*: the datagrams grouped per
+destination address, order kept within each destination, and each group cut
+into runs of consecutive datagrams of equal size, where a shorter datagram
+ends its run (as GSO allows only the last segment to be shorter). A run of
+one datagram goes out with a plain ``sendto``. The segments of a run are
+passed to ``sendmsg`` as separate buffers (scatter-gather), never joined.
+QUIC packets carrying stream data fill the datagram size, so a bulk flush is
+mostly full runs: the per-datagram system-call cost (a quarter or more of a
+relay's CPU with one ``sendto`` per datagram) shrinks by up to 64 times.
+
+**Receives: UDP GRO** (generic receive offload, Linux 5.0 and later). With
+the ``UDP_GRO`` socket option (``SOL_UDP``, 104) set, the kernel may hand
+over several datagrams of one flow, equal in size but the last, as one
+buffer, and says so with a ``UDP_GRO`` control message whose value (an int)
+is the segment size; :meth:`UdpSocket.recv_batch` reads with ``recvmsg``
+leaving room for that message and splits such a buffer back into its
+datagrams (:func:`split_segments`) before the endpoint sees them. Over
+loopback this is what a GSO sender's buffers arrive as (they are never cut
+up on the way); over a NIC it is what the kernel's GRO coalesced. A
+truncated buffer (``MSG_TRUNC``) keeps its whole segments; a truncated plain
+datagram is dropped (QUIC treats it as loss).
+
+**The fallback.** Each socket probes once, when it is made: GSO only on
+Linux and only if ``setsockopt(SOL_UDP, UDP_SEGMENT, 0)`` succeeds (0 sets
+no default segment size; the call only proves the kernel knows the option);
+GRO only if ``setsockopt(SOL_UDP, UDP_GRO, 1)`` succeeds. Without GSO a flush
+is sent one ``sendto`` per datagram, in order (Python's socket module has no
+``sendmmsg``); without GRO each datagram is read with ``recvfrom``. A GSO
+``sendmsg`` refused with ``EIO``, ``EINVAL``, ``ENOPROTOOPT`` or
+``EOPNOTSUPP`` (no checksum offload on the route, IPsec, a segment larger
+than the route's MTU) is sent again one datagram at a time, so nothing is
+lost; if no GSO send had succeeded on the socket yet, GSO is turned off for
+the socket (logged once at debug level), else only for that destination (a
+bounded record). The environment variable ``KVCS_UDP_GSO=0`` (also ``off``,
+``no``, ``false``) turns GSO and GRO off for sockets made afterwards, to
+compare the two paths (``benchmarks/bench_udp_path.py``).
+
+**Blocking and bounds.** A send that would block (``EAGAIN``) keeps what is
+unsent, in order, for when the socket is writable again: a GSO ``sendmsg``
+goes out whole or not at all, the datagrams of a run sent one by one may
+stop in the middle, and either way the unsent rest of that run and every
+later run wait in :attr:`UdpSocket.pending` (per destination in their
+original order). Beyond :data:`MAX_PENDING` datagrams the oldest are dropped
+(:attr:`UdpSocket.dropped`), which QUIC treats as loss. Any other send error
+drops that datagram (logged at debug level), as a lost packet would be.
+
+**Counters** (:meth:`UdpSocket.stats`, for benchmarks): datagrams sent, send
+system calls, GSO runs sent, datagrams received, receive system calls, and
+datagrams that arrived inside a GRO buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
+import os
 import socket
+import struct
+import sys
 from collections import deque
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 log = logging.getLogger("kvcs.quic")
 
 RECV_BATCH = 256
+"""Datagrams (and receive system calls) per :meth:`UdpSocket.recv_batch` at most."""
 MAX_DATAGRAM = 65536
+"""The receive buffer: the largest UDP payload, or one GRO buffer."""
 SOCKET_BUFFER = 4 * 1024 * 1024
 MAX_PENDING = 4096
 
+SOL_UDP = 17
+UDP_SEGMENT = 103
+"""``SOL_UDP`` option and control message: the GSO segment size (Linux 4.18)."""
+UDP_GRO = 104
+"""``SOL_UDP`` option and control message: receive coalesced datagrams (Linux 5.0)."""
+GSO_MAX_SEGMENTS = 64
+"""Datagrams in one GSO send at most (the kernel's ``UDP_MAX_SEGMENTS``)."""
+GSO_MAX_BYTES = 65507
+"""Bytes in one GSO send at most (the largest UDP payload over IPv4)."""
+GSO_ENV = "KVCS_UDP_GSO"
+"""Environment variable: ``0`` (``off``, ``no``, ``false``) turns GSO and GRO off."""
+GSO_REFUSED = frozenset(
+    {errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)}
+)
+"""``sendmsg`` errors that mean the kernel or the route will not segment this send."""
+MAX_GSO_REFUSED_DESTINATIONS = 1024
+"""Destinations remembered as refusing GSO (the record is cleared when full)."""
+
+_GRO_CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+def offload_enabled() -> bool:
+    """GSO and GRO are wanted: Linux, and ``KVCS_UDP_GSO`` does not turn them off."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return os.environ.get(GSO_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+class Run(NamedTuple):
+    """Datagrams for one GSO send: one destination, all ``segment_size`` but the last."""
+
+    addr: Any
+    datagrams: list[bytes]
+    segment_size: int
+
+
+def plan_runs(
+    datagrams: Iterable[tuple[bytes, Any]],
+    *,
+    max_segments: int = GSO_MAX_SEGMENTS,
+    max_bytes: int = GSO_MAX_BYTES,
+) -> list[Run]:
+    """Group ``(datagram, address)`` pairs into GSO runs (see the module docstring).
+
+    Destinations come in the order of their first datagram; each destination's
+    datagrams keep their order. A run holds consecutive datagrams of the size
+    of its first; a shorter one is its last; a longer one starts the next run;
+    a run holds at most ``max_segments`` datagrams and ``max_bytes`` bytes (a
+    single datagram larger than that, or an empty one, is a run of its own).
+    """
+    by_addr: dict[Any, list[bytes]] = {}
+    for data, addr in datagrams:
+        group = by_addr.get(addr)
+        if group is None:
+            by_addr[addr] = [data]
+        else:
+            group.append(data)
+    runs: list[Run] = []
+    for addr, group in by_addr.items():
+        current: list[bytes] = []
+        size = total = 0
+        for data in group:
+            n = len(data)
+            if n == 0:  # an empty datagram cannot be a segment: a run of its own
+                if current:
+                    runs.append(Run(addr, current, size))
+                    current = []
+                runs.append(Run(addr, [data], 0))
+                continue
+            if current and (n > size or len(current) >= max_segments or total + n > max_bytes):
+                runs.append(Run(addr, current, size))
+                current = []
+            if not current:
+                size = total = n
+                current = [data]
+                continue
+            current.append(data)
+            total += n
+            if n < size:  # a shorter datagram can only be the last segment
+                runs.append(Run(addr, current, size))
+                current = []
+        if current:
+            runs.append(Run(addr, current, size))
+    return runs
+
+
+def split_segments(data: bytes, segment_size: int) -> list[bytes]:
+    """The datagrams of a GRO buffer: ``segment_size`` bytes each, the last possibly shorter."""
+    if segment_size <= 0 or len(data) <= segment_size:
+        return [data]
+    return [data[i : i + segment_size] for i in range(0, len(data), segment_size)]
+
+
+def gro_segment_size(ancdata: Iterable[tuple[int, int, bytes]]) -> int | None:
+    """The segment size a ``UDP_GRO`` control message carries, ``None`` without one."""
+    for level, kind, value in ancdata:
+        if level == SOL_UDP and kind == UDP_GRO and len(value) >= 4:
+            size: int = struct.unpack("=i", value[:4])[0]
+            return size if size > 0 else None
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_cmsg(size: int) -> list[tuple[int, int, bytes]]:
+    return [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
+
 
 class UdpSocket:
-    """One bound, non-blocking UDP socket."""
+    """One bound, non-blocking UDP socket (see the module docstring).
 
-    def __init__(self, host: str, port: int, *, family: int | None = None) -> None:
+    ``gso`` / ``gro``: use UDP GSO for sends / GRO for receives where the
+    kernel has them; ``None`` (the default): as :func:`offload_enabled` says.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        family: int | None = None,
+        gso: bool | None = None,
+        gro: bool | None = None,
+    ) -> None:
         infos = socket.getaddrinfo(host, port, family or socket.AF_UNSPEC, socket.SOCK_DGRAM)
         fam, _, _, _, addr = infos[0]
         self.sock = socket.socket(fam, socket.SOCK_DGRAM)
@@ -43,6 +229,39 @@ class UdpSocket:
         self.family = fam
         self.pending: deque[tuple[bytes, Any]] = deque()
         self.dropped = 0
+        """Datagrams dropped, oldest first, beyond :data:`MAX_PENDING` waiting."""
+        self.datagrams_sent = 0
+        self.send_calls = 0
+        """Send system calls made (``sendmsg`` and ``sendto``, successful or not)."""
+        self.gso_runs = 0
+        """GSO sends that went out (each carried two or more datagrams)."""
+        self.datagrams_received = 0
+        self.recv_calls = 0
+        """Receive system calls that returned a datagram or a GRO buffer."""
+        self.gro_segments = 0
+        """Datagrams that arrived inside a GRO buffer of two or more."""
+        self._gso_worked = False
+        self._gso_refused: set[Any] = set()
+        wanted = offload_enabled()
+        self.gso = (wanted if gso is None else gso) and self._probe(UDP_SEGMENT, 0, "GSO")
+        """GSO is used for sends on this socket."""
+        self.gro = (
+            (wanted if gro is None else gro)
+            and _GRO_CMSG_SPACE > 0
+            and self._probe(UDP_GRO, 1, "GRO")
+        )
+        """GRO is on for receives on this socket."""
+
+    def _probe(self, option: int, value: int, name: str) -> bool:
+        """Set a ``SOL_UDP`` option once (Linux only): does the kernel have it?"""
+        if not sys.platform.startswith("linux"):
+            return False
+        try:
+            self.sock.setsockopt(SOL_UDP, option, value)
+        except OSError as exc:
+            log.debug("UDP %s unavailable (%s): falling back", name, exc)
+            return False
+        return True
 
     @property
     def address(self) -> tuple[str, int]:
@@ -52,11 +271,32 @@ class UdpSocket:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def stats(self) -> dict[str, int | bool]:
+        """The counters (module docstring) and whether GSO and GRO are on."""
+        return {
+            "gso": self.gso,
+            "gro": self.gro,
+            "datagrams_sent": self.datagrams_sent,
+            "send_calls": self.send_calls,
+            "gso_runs": self.gso_runs,
+            "datagrams_received": self.datagrams_received,
+            "recv_calls": self.recv_calls,
+            "gro_segments": self.gro_segments,
+            "dropped": self.dropped,
+        }
+
+    # --- receive ------------------------------------------------------------------------------
+
     def recv_batch(self) -> list[tuple[bytes, Any]]:
+        """Every datagram waiting, up to about :data:`RECV_BATCH` (GRO buffers split)."""
         out: list[tuple[bytes, Any]] = []
+        gro = self.gro
         for _ in range(RECV_BATCH):
             try:
-                data, addr = self.sock.recvfrom(MAX_DATAGRAM)
+                if gro:
+                    data, ancdata, flags, addr = self.sock.recvmsg(MAX_DATAGRAM, _GRO_CMSG_SPACE)
+                else:
+                    data, addr = self.sock.recvfrom(MAX_DATAGRAM)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:  # e.g. ICMP port unreachable reported on Linux
@@ -64,25 +304,118 @@ class UdpSocket:
                 if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH):
                     break
                 continue
+            self.recv_calls += 1
+            if gro:
+                size = gro_segment_size(ancdata) if ancdata else None
+                if flags & socket.MSG_TRUNC:
+                    if size is None:
+                        log.debug("udp receive: truncated datagram from %s dropped", addr)
+                        continue
+                    data = data[: len(data) - len(data) % size]  # its whole segments
+                    if not data:
+                        continue
+                if size is not None and len(data) > size:
+                    segments = split_segments(data, size)
+                    self.gro_segments += len(segments)
+                    self.datagrams_received += len(segments)
+                    out.extend((s, addr) for s in segments)
+                    if len(out) >= RECV_BATCH:
+                        break
+                    continue
+            self.datagrams_received += 1
             out.append((data, addr))
+            if len(out) >= RECV_BATCH:
+                break
         return out
 
+    # --- send ---------------------------------------------------------------------------------
+
     def send_batch(self, datagrams: list[tuple[bytes, Any]]) -> bool:
-        """Send in order; return ``True`` when datagrams wait for the socket to be writable."""
-        self.pending.extend(datagrams)
-        while self.pending:
-            data, addr = self.pending[0]
+        """Send a flush (with what waited); ``True`` when datagrams wait for writability."""
+        pending = self.pending
+        pending.extend(datagrams)
+        if pending:
+            if self.gso:
+                self._send_runs()
+            else:
+                self._send_each_pending()
+        while len(pending) > MAX_PENDING:
+            pending.popleft()
+            self.dropped += 1
+        return bool(pending)
+
+    def _send_each_pending(self) -> None:
+        pending = self.pending
+        sock = self.sock
+        while pending:
+            data, addr = pending[0]
+            self.send_calls += 1
             try:
-                self.sock.sendto(data, addr)
+                sock.sendto(data, addr)
             except (BlockingIOError, InterruptedError):
-                break
+                return
             except OSError as exc:
                 log.debug("udp send error to %s: %s", addr, exc)
-            self.pending.popleft()
-        while len(self.pending) > MAX_PENDING:
-            self.pending.popleft()
-            self.dropped += 1
-        return bool(self.pending)
+            else:
+                self.datagrams_sent += 1
+            pending.popleft()
+
+    def _send_runs(self) -> None:
+        runs = plan_runs(self.pending)
+        self.pending.clear()
+        for i, run in enumerate(runs):
+            done = self._send_run(run)
+            if done < len(run.datagrams):  # blocked: keep the rest, in order
+                self.pending.extend((d, run.addr) for d in run.datagrams[done:])
+                for later in runs[i + 1 :]:
+                    self.pending.extend((d, later.addr) for d in later.datagrams)
+                return
+
+    def _send_run(self, run: Run) -> int:
+        """Send one run; the number of its datagrams done with (sent or dropped)."""
+        n = len(run.datagrams)
+        if n > 1 and self.gso and run.addr not in self._gso_refused:
+            self.send_calls += 1
+            try:
+                self.sock.sendmsg(run.datagrams, _segment_cmsg(run.segment_size), 0, run.addr)
+            except (BlockingIOError, InterruptedError):
+                return 0
+            except OSError as exc:
+                if exc.errno in GSO_REFUSED:
+                    self._gso_refused_by(run.addr, exc)
+                else:
+                    log.debug("udp GSO send error to %s: %s (sending one by one)", run.addr, exc)
+            else:
+                self._gso_worked = True
+                self.gso_runs += 1
+                self.datagrams_sent += n
+                return n
+        return self._send_each(run.datagrams, run.addr)
+
+    def _send_each(self, datagrams: list[bytes], addr: Any) -> int:
+        sock = self.sock
+        for i, data in enumerate(datagrams):
+            self.send_calls += 1
+            try:
+                sock.sendto(data, addr)
+            except (BlockingIOError, InterruptedError):
+                return i
+            except OSError as exc:
+                log.debug("udp send error to %s: %s", addr, exc)
+            else:
+                self.datagrams_sent += 1
+        return len(datagrams)
+
+    def _gso_refused_by(self, addr: Any, exc: OSError) -> None:
+        if not self._gso_worked:
+            self.gso = False
+            log.debug("UDP GSO refused (%s): one sendto per datagram on this socket", exc)
+            return
+        if len(self._gso_refused) >= MAX_GSO_REFUSED_DESTINATIONS:
+            self._gso_refused.clear()
+        if addr not in self._gso_refused:
+            log.debug("UDP GSO refused for %s (%s): one sendto per datagram there", addr, exc)
+        self._gso_refused.add(addr)
 
     def close(self) -> None:
         self.sock.close()
