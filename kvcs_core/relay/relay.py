@@ -558,6 +558,7 @@ class Relay(Offers):
             filter_key=key,
             waiters=[fetch],
             span_from=_fixed_start(lf),
+            range_empty=not (track.entry is not None and self._has_objects(fetch)),
         )
         up.feeds[rid] = feed
         track.fetches.append(feed)

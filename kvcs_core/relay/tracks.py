@@ -143,6 +143,10 @@ class Feed:
     following: list[DownstreamFetch] = attrs.field(factory=list)
     """SERVE fetch: downstream FETCHes answered at our FETCH_OK, fed as objects arrive."""
     streaming: bool = False
+    range_empty: bool = False
+    """SERVE fetch: the cache held nothing of the range when it was asked for."""
+    delivered_to: Location | None = None
+    """SERVE fetch: the Location of the last object it delivered (in its stream's order)."""
     """SERVE fetch answered downstream as it arrives (cut-through, relay module docstring)."""
     reset_code: int | None = None
     """FETCH: the response stream was reset with this code."""

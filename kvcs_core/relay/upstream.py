@@ -478,6 +478,8 @@ class Upstream(RelayCore):
                 sub.peer.session.advance(self._now)
         if feed.purpose is FetchPurpose.REFETCH:
             self._refetch_arrived(feed, e.payload.nbytes)
+        elif feed.purpose is FetchPurpose.SERVE:
+            feed.delivered_to = e.location
         if (
             entry.evicted
             and e.location.group in entry.evicted
@@ -655,8 +657,14 @@ class Upstream(RelayCore):
             return
         lf = feed.filter_key[0] if feed.filter_key else None
         rng = fetch_range(lf if isinstance(lf, p.LocationFilter) else None, end)
-        if rng is None or next(iter(entry.store.objects_in(rng.start, rng.end)), None):
-            return  # part of it cached already: answered when the upstream FETCH is done
+        if rng is None or not feed.range_empty:
+            return  # part of it was cached already: answered when the upstream FETCH ends
+        # objects of the FETCH may have overtaken its FETCH_OK (they travel on another
+        # stream): those cached must be exactly what it delivered so far, in order
+        after = feed.delivered_to
+        rest = entry.store.objects_in(rng.start if after is None else next_after(after), rng.end)
+        if next(iter(rest), None) is not None:
+            return
         feed.streaming = True
         self._mark_filling(track)
         for w in list(feed.waiters):
