@@ -42,7 +42,7 @@ import attrs
 
 from adapters.cachefile import CacheFile, llama_descriptor, same_bits, synthetic
 from adapters.numpy_kv import KvDestination, layer_sections
-from kvcs_core.kvcs.consumer import ManifestAccepted, PublicationSelected
+from kvcs_core.kvcs.consumer import ManifestAccepted, ObjectDiscarded, PublicationSelected
 from transports.quic.api import CacheRetrieval, MoqtClient
 from transports.quic.tls import TlsConfig, self_signed
 
@@ -97,6 +97,12 @@ class Consumer:
     complete: bool = False
     blocks: int = 0
     identical: bool = False
+    same: bool = False
+    """The data it holds equals the source's (whether or not it is complete)."""
+    discarded: int = 0
+    missing: int = 0
+    recompute: list[str] = attrs.field(factory=list)
+    """RecomputeNeeded events (layers and blocks the consumer gave up on)."""
 
 
 async def demo(b: ModuleType, args: argparse.Namespace) -> int:
@@ -314,11 +320,11 @@ async def retrieve(
     c.ended = time.monotonic()
     c.complete = result.complete
     c.blocks = result.blocks
-    c.identical = (
-        c.complete
-        and c.blocks == c.expect_blocks
-        and same_bits(source, c.dest, c.blocks * source.cd.block_tokens)
-    )
+    c.same = same_bits(source, c.dest, c.blocks * source.cd.block_tokens)
+    c.identical = c.complete and c.blocks == c.expect_blocks and c.same
+    c.discarded = sum(1 for e in r.events if isinstance(e, ObjectDiscarded))
+    c.missing = r.consumer.missing_objects
+    c.recompute = [str(e) for e in r.recompute][:4]
 
 
 def report(
@@ -341,6 +347,12 @@ def report(
                 "mb": round(nbytes / 1e6, 1),
                 "mb_per_s": round(nbytes / secs / 1e6, 1) if secs > 0 else None,
                 "bit_identical": c.identical,
+                # why not, when it is not: retrieval incomplete, or bits that differ
+                "complete": c.complete,
+                "same_bits": c.same,
+                "discarded": c.discarded,
+                "missing": c.missing,
+                "recompute": c.recompute,
             }
         )
     if args.json:
