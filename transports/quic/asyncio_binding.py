@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from . import pquic_binding
 from ._entry import client_session, relay_server
 from .api import ConnectError, MoqtClient, RelayServer
 from .endpoint import QuicEndpoint
@@ -156,8 +157,6 @@ async def open_endpoint(
     """Bind ``host:port`` and drive ``endpoint`` there until the block ends (a pquic
     endpoint owns its sockets: :mod:`.pquic_binding` drives it)."""
     if endpoint.stack.name == "pquic":
-        from . import pquic_binding
-
         async with pquic_binding.open_endpoint(endpoint, host, port) as pdriver:  # type: ignore[arg-type]
             yield pdriver  # type: ignore[misc]
         return

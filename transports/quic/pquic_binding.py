@@ -48,7 +48,9 @@ and no timers to run, so the sans-I/O part of kvcs (:class:`~.endpoint.QuicEndpo
   :class:`~.stack.StackUnavailable`); no WebTransport through kvcs; a
   server binds the wildcard address of the listen address's family (aiopquic
   takes no host), and a listen port of 0 is chosen here before binding (a
-  free UDP port on that host; aiopquic does not report the one it bound);
+  free UDP port on that host; aiopquic does not report the one it bound); a
+  port that is already bound is refused (a probe bind first: picoquic itself
+  would share it silently);
   the reason phrase of our CONNECTION_CLOSE is not sent (aiopquic takes a
   code only); ``max_datagram_size`` is picoquic's own (path MTU discovery).
 """
@@ -68,6 +70,7 @@ from typing import Any
 
 from kvcs_core.moqt.config import Role, SessionConfig
 
+from .api import ConnectError
 from .endpoint import QuicEndpoint
 from .pump import DEFAULT_MAX_UNSENT, SessionPump, keepalive_interval
 from .stack import QuicStack, StackUnavailable
@@ -77,7 +80,8 @@ log = logging.getLogger("kvcs.quic")
 NAME = "pquic"
 
 MAX_WRITE = 1 << 20
-"""The largest piece handed to aiopquic in one call (its stream ring holds 4 MiB)."""
+"""The largest piece handed to aiopquic in one call (at most its ``stream_ring_cap``,
+4 MiB by default: a larger write is refused outright)."""
 
 BACKPRESSURE_RECHECK = 0.005
 """Seconds after which a connection at its unsent bound is looked at again even if no
@@ -93,6 +97,11 @@ TRIO_REFUSED = (
 
 
 def _import_aiopquic() -> tuple[ModuleType, ModuleType, ModuleType]:
+    quiet = logging.getLogger("aiopquic")
+    if quiet.level == logging.NOTSET:
+        # it logs every peer RESET_STREAM as a warning; MOQT resets streams routinely
+        # (the pump logs how each connection ended)
+        quiet.setLevel(logging.ERROR)
     try:
         cfg = importlib.import_module("aiopquic.quic.configuration")
         conn = importlib.import_module("aiopquic.quic.connection")
@@ -119,6 +128,7 @@ class PquicConnection:
         self._written: set[int] = set()
         """Streams written to whose ring may still hold unsent bytes."""
         self.host_cid = b""
+        self._max_write = max(1, min(MAX_WRITE, int(self.configuration.stream_ring_cap)))
 
     # --- what the pump calls ----------------------------------------------------------------
 
@@ -133,7 +143,8 @@ class PquicConnection:
         if not data and not end_stream:
             return  # the pump's "reserve the ID": taken above, nothing to send
         raw = data if isinstance(data, bytes) else bytes(data)
-        pieces = [raw[i : i + MAX_WRITE] for i in range(0, len(raw), MAX_WRITE)] or [b""]
+        step = self._max_write
+        pieces = [raw[i : i + step] for i in range(0, len(raw), step)] or [b""]
         for i, piece in enumerate(pieces):
             self._send(stream_id, piece, end_stream and i == len(pieces) - 1)
 
@@ -303,7 +314,7 @@ class PquicEndpoint(QuicEndpoint):
         """Set by the driver: a new client connection's transport to watch."""
         self.on_gone: Callable[[SessionPump], None] | None = None
         """Set by the driver: a reaped connection (its client transport is stopped)."""
-        _keepalive(configuration)
+        _tune(configuration)
         configuration.max_connections = self.max_connections
 
     def connect(
@@ -316,14 +327,12 @@ class PquicEndpoint(QuicEndpoint):
         webtransport: tuple[str, str] | None = None,
     ) -> SessionPump:
         if webtransport is not None:
-            from .api import ConnectError
-
             raise ConnectError("WebTransport is not supported on the pquic stack")
         if len(self.pumps) >= self.max_connections:
             raise RuntimeError(f"connection limit reached ({self.max_connections})")
         _cfg, conn_mod, _ev = _import_aiopquic()
         cfg = configuration or self.configuration
-        _keepalive(cfg)
+        _tune(cfg)
         inner = conn_mod.QuicConnection(configuration=cfg)
         inner._start_transport(port=0)
         conn = PquicConnection(inner)
@@ -382,7 +391,8 @@ class PquicEndpoint(QuicEndpoint):
                     self.on_gone(pump)
 
 
-def _keepalive(cfg: Any) -> None:
+def _tune(cfg: Any) -> None:
+    """What every kvcs configuration of this stack sets: picoquic's keep-alive PINGs."""
     cfg.keep_alive_interval = keepalive_interval(float(cfg.idle_timeout))
 
 
@@ -433,8 +443,6 @@ class PquicDriver:
             self._loop.call_soon(self._service)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> None:
-        from .api import ConnectError
-
         deadline = None if timeout is None else self.now() + timeout
         while not predicate():
             if self._closed:
@@ -453,6 +461,9 @@ class PquicDriver:
         family = _family(host)
         if port == 0:
             port = _free_port(host, family)
+        else:  # picoquic shares a bound port without a word: ask the kernel first
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
         cfg = self.endpoint.configuration
         cfg.ip_family = family
 
@@ -465,7 +476,7 @@ class PquicDriver:
         except (RuntimeError, OSError) as exc:
             with contextlib.suppress(Exception):
                 engine.close()
-            raise OSError(f"cannot listen on {host}:{port} (pquic): {exc}") from None
+            raise OSError(f"{exc} (pquic)") from None
         self._engine = engine
         self._loop.add_reader(engine.eventfd, self._on_server_readable)
         return host, port
@@ -554,8 +565,6 @@ class PquicDriver:
 
     async def aclose(self, timeout: float = 1.0) -> None:
         """Close every connection, wait briefly for them to end, stop picoquic."""
-        from .api import ConnectError
-
         if self._closed:
             return
         self.endpoint.close(self.now())

@@ -218,9 +218,9 @@ def load_stack(name: str = "aioquic") -> QuicStack:
     if name not in STACKS:
         raise StackUnavailable(f"unknown QUIC stack {name!r} (choose from {', '.join(STACKS)})")
     if name == "pquic":
-        from .pquic_binding import load_pquic_stack
-
-        return load_pquic_stack()
+        # imported here: the binding builds on this module
+        pquic: Any = importlib.import_module(".pquic_binding", __package__)
+        return pquic.load_pquic_stack()  # type: ignore[no-any-return]
     try:
         config_mod = importlib.import_module(f"{name}.quic.configuration")
         conn_mod = importlib.import_module(f"{name}.quic.connection")

@@ -34,6 +34,7 @@ from ._entry import client_session, relay_server
 from .api import ConnectError, MoqtClient, RelayServer
 from .endpoint import QuicEndpoint
 from .groups import single_errors
+from .pquic_binding import TRIO_REFUSED
 from .stack import StackUnavailable
 from .udp import UdpSocket
 
@@ -143,8 +144,6 @@ class TrioDriver:
 async def open_endpoint(endpoint: QuicEndpoint, host: str, port: int) -> AsyncIterator[TrioDriver]:
     """Bind ``host:port`` and drive ``endpoint`` there until the block ends."""
     if endpoint.stack.name == "pquic":
-        from .pquic_binding import TRIO_REFUSED
-
         raise StackUnavailable(TRIO_REFUSED)
     udp = UdpSocket(host, port)
     driver = TrioDriver(endpoint, udp)
