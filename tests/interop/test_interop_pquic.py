@@ -29,8 +29,7 @@ except ImportError:
 
 pytestmark = pytest.mark.skipif(
     not HAVE_PQUIC,
-    reason="aiopquic is not importable (wheels for Python >= 3.12 only: "
-    "pip install 'kvcs[pquic]')",
+    reason="aiopquic is not importable (wheels for Python >= 3.12 only: pip install 'kvcs[pquic]')",
 )
 
 NS = ns_args(["kvcs", "hex:00ff10"])

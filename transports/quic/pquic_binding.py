@@ -53,6 +53,14 @@ and no timers to run, so the sans-I/O part of kvcs (:class:`~.endpoint.QuicEndpo
   would share it silently);
   the reason phrase of our CONNECTION_CLOSE is not sent (aiopquic takes a
   code only); ``max_datagram_size`` is picoquic's own (path MTU discovery).
+* **Known: a pquic client and a qh3 2.1 server.** With picoquic's default
+  (classic) key exchange the handshake does not complete: qh3's
+  ``poll_transmit`` raises "packet builder capacity exhausted" on every call
+  after its first datagram, so its certificate flight never goes out, while
+  picoquic repeats its Initial about a thousand times a second (the CPU the
+  client burns). Offering X25519MLKEM768 first completes it in 0.2 s, but an
+  aioquic 1.7 server refuses that ClientHello (CRYPTO_ERROR 0x128), so the
+  default is left as it is.
 """
 
 from __future__ import annotations
