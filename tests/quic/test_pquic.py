@@ -230,3 +230,13 @@ def test_cli_pquic_on_trio_exits_2_with_one_line(tmp_path: Path) -> None:
     done = kvcs("fetch", "moqt://127.0.0.1:9", "-k", "--stack", "pquic", "--loop", "trio")
     assert done.returncode == 2, done
     assert "asyncio only" in one_error_line(done.stderr)
+
+
+@needs_pquic
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["processes", "in-process"])
+def test_demo_on_pquic_every_consumer_bit_for_bit(mode: list[str]) -> None:
+    r = kvcs("demo", "--tokens", "64", "--stack", "pquic", *mode, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.endswith("bit for bit")]
+    assert sorted(line.split()[0] for line in rows) == ["late", "live", "mid", "partial"]
+    assert "Traceback" not in r.stderr
