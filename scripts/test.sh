@@ -80,9 +80,10 @@ fresh_venv() {
     mkdir -p "$VENVS"
     "$py" -m venv "$dir" >&2
     "$dir/bin/python" -m pip install -q --upgrade pip >&2
-    if ! "$dir/bin/python" -m pip install -q -e '.[test,fuzz,dev]' >&2; then
+    # pquic (aiopquic) installs on Python >= 3.12 only: its extra is empty below that
+    if ! "$dir/bin/python" -m pip install -q -e '.[test,fuzz,dev,pquic]' >&2; then
         echo "!! install with the fuzz extra failed on $py; retrying without atheris" >&2
-        "$dir/bin/python" -m pip install -q -e '.[test,dev]' >&2
+        "$dir/bin/python" -m pip install -q -e '.[test,dev,pquic]' >&2
     fi
     echo "$dir/bin/python"
 }
@@ -95,7 +96,7 @@ for py in "${PYTHONS[@]}"; do
     PY="$(fresh_venv "$py")"
     "$PY" --version
     "$PY" -m pip list 2>/dev/null \
-        | grep -iE '^(trio|aioquic|qh3|cryptography|pycose|cbor2|attrs|numpy|atheris|pytest|hypothesis) ' \
+        | grep -iE '^(trio|aioquic|qh3|aiopquic|cryptography|pycose|cbor2|attrs|numpy|atheris|pytest|hypothesis) ' \
         | tr -s ' ' | paste -sd ',' - | sed 's/,/, /g'
     # The environment's scripts first on PATH, as an activated venv would have them.
     export PATH="$(dirname "$PY"):$PATH"

@@ -154,7 +154,9 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout,
         ) as server:
             where = f"moqt://{server.address[0]}:{server.address[1]}"
-            wt_url = f"https://{server.address[0]}:{server.address[1]}/"
+            wt_url: str | None = f"https://{server.address[0]}:{server.address[1]}/"
+            if args.stack == "pquic":
+                wt_url = None  # no WebTransport through kvcs on picoquic (.pquic_binding)
             if args.json:
                 json_line(
                     event="listening",
@@ -165,7 +167,9 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
                 )
             else:
                 print(
-                    f"kvcs relay: listening on {where} and {wt_url} (WebTransport) "
+                    f"kvcs relay: listening on {where}"
+                    + (f" and {wt_url} (WebTransport)" if wt_url else "")
+                    + " "
                     f"({args.stack}, {args.loop}"
                     + (f", self-signed; CA {tls.cafile}" if args.self_signed else "")
                     + (f", upstream {args.upstream}" if args.upstream else "")

@@ -58,7 +58,7 @@ def relay_endpoint(
         webtransport=webtransport,
         idle_timeout=idle_timeout,
     )
-    return QuicEndpoint(
+    return (st.endpoint or QuicEndpoint)(
         st,
         cfg,
         RelayApp(Relay(relay_config)),
@@ -75,7 +75,8 @@ def client_endpoint(
     cfg = quic_configuration(
         st, is_client=True, tls=TlsConfig(verify=False), idle_timeout=idle_timeout
     )
-    return QuicEndpoint(st, cfg, app or ClientApp())
+    endpoint: QuicEndpoint = (st.endpoint or QuicEndpoint)(st, cfg, app or ClientApp())
+    return endpoint
 
 
 def client_configuration(

@@ -1,4 +1,4 @@
-"""kvcs over QUIC on asyncio: relay servers and clients (aioquic or qh3).
+"""kvcs over QUIC on asyncio: relay servers and clients (aioquic, qh3 or pquic).
 
 Theory of operation
 -------------------
@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from . import pquic_binding
 from ._entry import client_session, relay_server
 from .api import ConnectError, MoqtClient, RelayServer
 from .endpoint import QuicEndpoint
@@ -154,7 +155,12 @@ class AsyncioDriver:
 async def open_endpoint(
     endpoint: QuicEndpoint, host: str, port: int
 ) -> AsyncIterator[AsyncioDriver]:
-    """Bind ``host:port`` and drive ``endpoint`` there until the block ends."""
+    """Bind ``host:port`` and drive ``endpoint`` there until the block ends (a pquic
+    endpoint owns its sockets: :mod:`.pquic_binding` drives it)."""
+    if endpoint.stack.name == "pquic":
+        async with pquic_binding.open_endpoint(endpoint, host, port) as pdriver:  # type: ignore[arg-type]
+            yield pdriver  # type: ignore[misc]
+        return
     udp = UdpSocket(host, port)
     driver = AsyncioDriver(endpoint, udp)
     try:

@@ -58,7 +58,8 @@ log = logging.getLogger("kvcs.quic")
 ALPN = "moqt-22"
 """The ALPN of MOQT draft-22 over native QUIC (wire reference section 1)."""
 
-STACKS = ("aioquic", "qh3")
+STACKS = ("aioquic", "qh3", "pquic")
+"""``pquic`` is aiopquic (picoquic, Python >= 3.12, asyncio only): :mod:`.pquic_binding`."""
 
 
 class StackUnavailable(RuntimeError):
@@ -87,6 +88,9 @@ class QuicStack:
     h3_connection: Callable[..., Any] | None = None
     """The stack's ``H3Connection`` (for WebTransport), ``None`` if it has none."""
     h3_events: ModuleType | None = None
+    endpoint: Callable[..., Any] | None = None
+    """The endpoint class for this stack (``None``: :class:`~.endpoint.QuicEndpoint`); a
+    stack that owns its sockets brings its own (:mod:`.pquic_binding`)."""
 
 
 def _aioquic_unsent(conn: Any, stream_id: int) -> int:
@@ -210,9 +214,13 @@ def _qh3_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def load_stack(name: str = "aioquic") -> QuicStack:
-    """Import and describe a QUIC stack by name (``aioquic`` or ``qh3``)."""
+    """Import and describe a QUIC stack by name (``aioquic``, ``qh3`` or ``pquic``)."""
     if name not in STACKS:
         raise StackUnavailable(f"unknown QUIC stack {name!r} (choose from {', '.join(STACKS)})")
+    if name == "pquic":
+        # imported here: the binding builds on this module
+        pquic: Any = importlib.import_module(".pquic_binding", __package__)
+        return pquic.load_pquic_stack()  # type: ignore[no-any-return]
     try:
         config_mod = importlib.import_module(f"{name}.quic.configuration")
         conn_mod = importlib.import_module(f"{name}.quic.connection")

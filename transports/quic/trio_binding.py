@@ -35,6 +35,8 @@ from ._entry import client_session, relay_server
 from .api import ConnectError, MoqtClient, RelayServer
 from .endpoint import QuicEndpoint
 from .groups import single_errors
+from .pquic_binding import TRIO_REFUSED
+from .stack import StackUnavailable
 from .udp import UdpSocket
 
 log = logging.getLogger("kvcs.quic")
@@ -142,6 +144,8 @@ class TrioDriver:
 @contextlib.asynccontextmanager
 async def open_endpoint(endpoint: QuicEndpoint, host: str, port: int) -> AsyncIterator[TrioDriver]:
     """Bind ``host:port`` and drive ``endpoint`` there until the block ends."""
+    if endpoint.stack.name == "pquic":
+        raise StackUnavailable(TRIO_REFUSED)
     udp = UdpSocket(host, port)
     driver = TrioDriver(endpoint, udp)
     try:
