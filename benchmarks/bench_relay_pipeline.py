@@ -300,6 +300,9 @@ def run_kvcs(args: argparse.Namespace, stack: str, cfg: Config) -> dict[str, Any
     out: dict[str, Any] = {"config": cfg.name, "stack": stack, "ok": False, "error": None}
     try:
         relay_cmd = kvcs("relay", "--listen", "127.0.0.1:0", "--self-signed", "--json")
+        # every process is bounded in time even if this one is killed (--run-for, --serve-for,
+        # --fetch-timeout; the raw workers stop when their stdin closes)
+        relay_cmd += ["--run-for", str(4 * args.timeout + 2 * START_TIMEOUT)]
         relay_cmd += transport_opts(args, stack)
         root = start(procs, "relay" if cfg.hops == 1 else "root relay", relay_cmd)
         url = wait_event(procs, root, "listening", START_TIMEOUT)["url"]
@@ -336,11 +339,16 @@ def run_kvcs(args: argparse.Namespace, stack: str, cfg: Config) -> dict[str, Any
             rate=nbytes / seconds if seconds > 0 else None,
             first=None if first is None else float(first) / 1e3,
             complete=bool(done["complete"]),
-            identical=bool(done["complete"]) and done.get("digest") == published.get("digest"),
+            digest=done.get("digest"),
+            published_digest=published.get("digest"),
+            identical=bool(done["complete"])
+            and done.get("digest") is not None
+            and done.get("digest") == published.get("digest"),
             layers_ready=done.get("layers_ready"),
         )
         out["ok"] = out["identical"]
         if not out["ok"]:
+            out["detail"] = f"consumer: {done}\n{cons.stderr_tail()}"
             out["error"] = (
                 "incomplete" if not done["complete"] else "digest differs from the published one"
             )
