@@ -348,7 +348,8 @@ def run_kvcs(args: argparse.Namespace, stack: str, cfg: Config) -> dict[str, Any
         )
         out["ok"] = out["identical"]
         if not out["ok"]:
-            out["detail"] = f"consumer: {done}\n{cons.stderr_tail()}"
+            tails = "".join(f"\n[{p.name} stderr] {p.stderr_tail(600)}" for p in procs)
+            out["detail"] = f"consumer: {done}{tails}"
             out["error"] = (
                 "incomplete" if not done["complete"] else "digest differs from the published one"
             )
