@@ -61,7 +61,8 @@ Figures per configuration (MB = 10**6 bytes):
   destination (the CLI makes the prompt from it).
 
 ``--runs-consecutive N``: each configuration N times in a row, kvcs only
-(``kvcs fetch``'s default stall and recovery timeouts), one line per run and a
+(``kvcs fetch``'s default stall, recovery and, unless ``--timeout`` is given,
+fetch timeouts), one line per run and a
 count of completed, bit-identical runs; the exit status is 1 unless all were.
 ``--json FILE`` writes every run's figures. No figure is asserted.
 """
@@ -318,7 +319,9 @@ def run_kvcs(args: argparse.Namespace, stack: str, cfg: Config) -> dict[str, Any
         if cfg.live:
             pub_cmd += ["--wait-for-subscriber", str(args.timeout)]
         fetch_cmd = kvcs("fetch", fetch_url, "-k", "--json", "--digest", "--no-verify")
-        fetch_cmd += [*cache_opts(args), "--fetch-timeout", str(args.timeout)]
+        fetch_cmd += cache_opts(args)
+        if not (args.runs_consecutive and args.timeout_default):  # else kvcs fetch's own
+            fetch_cmd += ["--fetch-timeout", str(args.timeout)]
         fetch_cmd += transport_opts(args, stack)
         prod = start(procs, "producer", pub_cmd)
         if cfg.live:
@@ -939,7 +942,12 @@ def main() -> int:
                     "e.g. 'unpaced/*,paced/live/tree' (default all)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--layer-interval", type=float, default=0.05, help="paced: seconds per layer")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds per transfer (default 300; with --runs-consecutive, kvcs fetch then "
+        "keeps its own default --fetch-timeout)",
+    )
     ap.add_argument("--datagram-size", type=int, help="max UDP payload (default: the stack's)")
     ap.add_argument("--no-raw", dest="raw", action="store_false", help="skip the raw pipeline")
     ap.add_argument("--no-aiomoqt", dest="aiomoqt", action="store_false",
@@ -955,6 +963,9 @@ def main() -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.timeout_default = args.timeout is None
+    if args.timeout is None:
+        args.timeout = 300.0
     if args.worker == "raw-send":
         raw_sender(args)
         return 0
