@@ -8,7 +8,8 @@ outside ``unshare -n``.
 * ``pub``: PUBLISH_NAMESPACE ``kvcs-bench``; on the SUBSCRIBE for track ``t``
   (SUBSCRIBE_OK) it sends G groups of M objects of S bytes, one subgroup stream
   per group, objects cut from one seeded random buffer made beforehand (no
-  per-object work beyond aiomoqt's own), then PUBLISH_DONE (TRACK_ENDED).
+  per-object work beyond aiomoqt's own), then PUBLISH_DONE (TRACK_ENDED); it
+  keeps its session until the parent writes "stop" on its stdin.
 * ``sub``: SUBSCRIBE ``kvcs-bench``/``t`` (no filter: the whole track); each
   object's payload is copied to its place in a buffer touched beforehand; its
   clock runs from the SUBSCRIBE to the last object.
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import random
 import sys
 import time
@@ -100,10 +102,34 @@ async def publisher(args: argparse.Namespace) -> int:
         await session.publish_namespace(namespace=NS, wait_response=True)
         pc.emit("announced", digest=digest)
         await done.wait()
-        await asyncio.sleep(args.linger)  # let the last bytes leave before closing
+        await stopped()  # the relay may still be forwarding: keep the session until told
         with contextlib.suppress(Exception):
             session.close()
     return pc.EXIT_OK
+
+
+async def stopped() -> None:
+    """Until the parent writes "stop" on stdin (or closes it)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sys.stdin.fileno()
+    os.set_blocking(fd, False)
+    seen = bytearray()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        seen.extend(chunk)
+        if (not chunk or b"stop" in seen) and not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
 
 
 async def subscriber(args: argparse.Namespace) -> int:
@@ -155,7 +181,6 @@ def main() -> None:
     p.add_argument("--objects", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--linger", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args()
     set_log_level(logging.WARNING)
