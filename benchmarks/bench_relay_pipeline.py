@@ -70,6 +70,7 @@ count of completed, bit-identical runs; the exit status is 1 unless all were.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import fnmatch
 import json
@@ -465,6 +466,9 @@ class Forwarder:
     where there is one, else the second connection accepted. Stream ``4i + 2`` or
     ``4i + 3`` of the source (its i-th unidirectional stream) goes on as stream
     ``4i + 3`` of the sink, so stream order and placement hold through any chain.
+    What the sink's QUIC has not sent yet is bounded as the kvcs pump bounds it
+    (``MAX_UNSENT``); the rest waits in a queue, in arrival order (the source is
+    not held back: its reads are what a relay's cache would take in).
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -495,6 +499,9 @@ class Forwarder:
             self.up = stack.connection(configuration=ccfg)
             self.up.connect(("127.0.0.1", args.upstream_port), now=time.monotonic())
         self.stopped = False
+        self.queue: collections.deque[tuple[int, bytes, bool]] = collections.deque()
+        """Data read from the source, not yet written to the sink: (sink stream, data, FIN)."""
+        self.open_sids: list[int] = []
 
     def conns(self) -> list[tuple[Any, UdpSocket]]:
         out: list[tuple[Any, UdpSocket]] = [(c, self.udp) for c in self.accepted.values()]
@@ -512,6 +519,20 @@ class Forwarder:
             return self.up
         conns = list(self.accepted.values())
         return conns[1] if len(conns) > 1 else None
+
+    def write_on(self, sink: Any) -> None:
+        """Write queued data on, while fewer than ``MAX_UNSENT`` written bytes wait to be
+        sent (the kvcs pump's rule: QUIC stacks do per-packet work for every stream
+        that has data waiting)."""
+        unsent = self.stack.unsent_bytes
+        budget = MAX_UNSENT - sum(unsent(sink, sid) for sid in self.open_sids)
+        while budget > 0 and self.queue:
+            sid, data, end = self.queue.popleft()
+            sink.send_stream_data(sid, data, end)
+            if sid not in self.open_sids:
+                self.open_sids.append(sid)
+            budget -= len(data)
+        self.open_sids = [sid for sid in self.open_sids if unsent(sink, sid)]
 
     def flush(self, udp: UdpSocket, datagrams: list[tuple[bytes, Any]]) -> None:
         pending = udp.send_batch(datagrams)
@@ -557,12 +578,14 @@ class Forwarder:
                 if timer is not None and timer <= now:
                     conn.handle_timer(now)
                 while (e := conn.next_event()) is not None:
-                    if conn is source and isinstance(e, ev.StreamDataReceived) and sink:
-                        sink.send_stream_data(4 * (e.stream_id >> 2) + 3, e.data, e.end_stream)
+                    if conn is source and isinstance(e, ev.StreamDataReceived):
+                        self.queue.append((4 * (e.stream_id >> 2) + 3, e.data, e.end_stream))
                     elif conn is self.up and isinstance(e, ev.HandshakeCompleted) and not up_ready:
                         up_ready = True
                         emit("upstream-ready")
-            for _ in range(8):  # send while QUIC takes data
+            for _ in range(8):  # write and send while QUIC takes data
+                if sink is not None and self.queue:
+                    self.write_on(sink)
                 sent = False
                 for conn, udp in self.conns():
                     datagrams = self.stack.datagrams_to_send(conn, time.monotonic())
