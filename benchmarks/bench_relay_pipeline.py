@@ -545,6 +545,8 @@ class Forwarder:
         emit("listening", port=self.udp.address[1])
         ev = self.stack.events
         up_ready = False
+        for conn, udp in self.conns():  # the upstream Initial (qh3 sets no timer before it)
+            self.flush(udp, self.stack.datagrams_to_send(conn, time.monotonic()))
         while not self.stopped:
             timers = [t for c, _ in self.conns() if (t := c.get_timer()) is not None]
             timeout = None if not timers else max(0.0, min(timers) - time.monotonic())
