@@ -147,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="pause between layers (simulates prefill speed)",
     )
     p.add_argument(
+        "--wait-for-subscriber",
+        type=float,
+        metavar="S",
+        help="before the first layer, wait up to S seconds until every data track is "
+        "subscribed (a live consumer, directly or through relays)",
+    )
+    p.add_argument(
+        "--digest",
+        action="store_true",
+        help="with --json: add the SHA-256 of the published K/V sections ('digest')",
+    )
+    p.add_argument(
         "--serve-for",
         type=float,
         metavar="S",
@@ -199,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         metavar="S",
         help="how long to try to recover missing objects (default 2)",
+    )
+    f.add_argument(
+        "--digest",
+        action="store_true",
+        help="with --json: add the SHA-256 of the received K/V sections ('digest')",
     )
     f.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_tls_options(f)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import hashlib
 import logging
 import shutil
 import signal
@@ -36,6 +37,7 @@ from kvcs_core.kvcs.consumer import (
 )
 from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
 from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError
+from kvcs_core.moqt import events as ev
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.wire.names import TrackNamespace
 from transports.quic.api import CacheRetrieval, ConnectError
@@ -253,6 +255,8 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
             blocks=blocks,
             tokens=published,
         )
+        if args.wait_for_subscriber:
+            await _wait_subscribed(b, client, pub, args.wait_for_subscriber)
         bar = Progress("publishing", cd.layers, enabled=None if not args.json else False)
         t0 = time.monotonic()
         for layer in range(cd.layers):
@@ -264,6 +268,14 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         await pub.finish()
         await pub.drained(timeout=None if args.serve_for is None else args.serve_for + 60)
         nbytes = pub.publisher.total_bytes
+        seconds = round(time.monotonic() - t0, 3)
+        extra = {}
+        if args.digest:
+            extra["digest"] = _digest(
+                part
+                for layer in range(cd.layers)
+                for part in _kv(layer_sections(cache.k[layer], cache.v[layer], cd, blocks=blocks))
+            )
         report(
             args,
             event="published",
@@ -272,8 +284,9 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
             blocks=blocks,
             tokens=published,
             bytes=nbytes,
-            seconds=round(time.monotonic() - t0, 3),
+            seconds=seconds,
             sent=client.pump.bytes_pulled,
+            **extra,
         )
         if args.serve_for is None and not args.json:
             print("kvcs publish: serving the publication until interrupted", flush=True)
@@ -282,6 +295,36 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         if client.closed:
             raise CliError("the relay closed the connection", Exit.NETWORK)
     return Exit.OK
+
+
+async def _wait_subscribed(b: ModuleType, client: Any, pub: Any, seconds: float) -> None:
+    """``--wait-for-subscriber``: until every data track of ``pub`` has had a SUBSCRIBE
+    (or ``seconds`` passed, or the connection ended)."""
+    data_tracks = {name.encode("ascii") for name in pub.publisher.track_names[1:]}
+    subscribed: set[bytes] = set()
+
+    def watch(pump: Any, e: Any, now: float) -> None:
+        if isinstance(e, ev.SubscribeRequested):
+            subscribed.add(e.track.name)
+
+    client.app.watchers.append(watch)
+    try:
+        await _wait(b, seconds, until=lambda: data_tracks <= subscribed or client.closed)
+    finally:
+        client.app.watchers.remove(watch)
+
+
+def _kv(sections: Any) -> list[Any]:
+    """A layer's sections in the order ``--digest`` hashes them: every K, then every V."""
+    return [*sections.k, *sections.v]
+
+
+def _digest(parts: Any) -> str:
+    """``--digest``: SHA-256 of the K/V sections in order (per layer: K, then V)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(memoryview(part).cast("B"))
+    return h.hexdigest()
 
 
 def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
@@ -458,6 +501,13 @@ def finish_fetch(
         except CacheFileError as exc:
             raise CliError(str(exc), Exit.FILE) from None
     total = outcome["total"]
+    extra = {}
+    if args.digest:
+        extra["digest"] = (
+            _digest(dest.buffer(layer, comp) for layer in range(cd.layers) for comp in ("k", "v"))
+            if complete
+            else None
+        )
     nbytes = outcome["verified_bytes"]  # what was received and verified, not what was asked
     recompute_layers = sorted({x for e in outcome["recompute"] for x in e.layers})
     recompute_blocks = sorted({x for e in outcome["recompute"] for x in e.blocks})
@@ -477,6 +527,7 @@ def finish_fetch(
         recompute_blocks=recompute_blocks,
         bit_identical=identical,
         out=str(args.out) if args.out and complete else None,
+        **extra,
     )
     if result is None:
         return fail_line(
