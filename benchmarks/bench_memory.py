@@ -20,10 +20,11 @@ three processes run the CLI on 127.0.0.1, as a user runs them:
 ``published`` (the relay fetches the whole cache for it); ``live``: the consumer
 starts as soon as the producer reported ``publishing``.
 
-Peak RSS of each process is ``os.wait4``'s ``ru_maxrss`` (the high-water mark of
-the process's resident set; its start-up, imports and all). Linux carries the
-parent's resident size at ``fork`` into the child's figure, so this process never
-imports numpy or holds a cache (it is about 15 MiB). The line per process gives
+Peak RSS of each process is its ``VmHWM`` (``/proc/PID/status``: the high-water
+mark of its resident set, start-up and imports included), read once the consumer
+reported ``done`` (after its verification and ``--out``), with the processes still
+running. (``os.wait4``'s ``ru_maxrss`` would carry this process's size at ``fork``
+into the children's figures.) The line per process gives
 the peak, the peak minus the cache size, and the peak as a multiple of the
 cache. The goal (issue 11, "Memory"): each process within the cache's size
 plus a fixed margin (64 MiB beside an idle process's ~60-70 MiB of imports).
@@ -80,6 +81,13 @@ class Proc:
         self.maxrss: int | None = None
         self.status: int | None = None
 
+    def mark_peak(self) -> None:
+        """Its VmHWM so far (Linux), while it runs."""
+        with contextlib.suppress(OSError, StopIteration, ValueError):
+            text = Path(f"/proc/{self.p.pid}/status").read_text()
+            line = next(x for x in text.splitlines() if x.startswith("VmHWM:"))
+            self.maxrss = int(line.split()[1]) * 1024
+
     def pump(self, wait: float = 0.0) -> None:
         if self.out.closed:
             return
@@ -116,15 +124,14 @@ class Proc:
 
     def poll(self) -> bool:
         if self.status is None:
-            pid, status, ru = os.wait4(self.p.pid, os.WNOHANG)
+            pid, status = os.waitpid(self.p.pid, os.WNOHANG)
             if pid:
-                self._reaped(status, ru.ru_maxrss)
+                self._reaped(status)
         return self.status is not None
 
-    def _reaped(self, status: int, maxrss_kib: int) -> None:
+    def _reaped(self, status: int) -> None:
         self.status = os.waitstatus_to_exitcode(status)
         self.p.returncode = self.status  # Popen must not wait for it again
-        self.maxrss = maxrss_kib * 1024
 
     def stop(self, timeout: float) -> None:
         """SIGTERM (a clean exit), SIGKILL after ``timeout``; reaped here."""
@@ -137,8 +144,8 @@ class Proc:
             if time.monotonic() > deadline:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.p.pid, signal.SIGKILL)
-                _, status, ru = os.wait4(self.p.pid, 0)
-                self._reaped(status, ru.ru_maxrss)
+                _, status = os.waitpid(self.p.pid, 0)
+                self._reaped(status)
         with contextlib.suppress(OSError):
             self.out.close()
 
@@ -183,6 +190,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         )  # fmt: skip
         procs.append(fetch)
         done = fetch.wait_event("done", args.timeout + 30)
+        for p in (fetch, pub, relay):
+            p.mark_peak()
         fetch.stop(60)
         pub.stop(30)
         relay.stop(30)
@@ -211,6 +220,7 @@ def idle(args: argparse.Namespace, tmp: Path) -> None:
                       "--stack", args.stack], tmp)  # fmt: skip
     try:
         p.wait_event("listening", 60)
+        p.mark_peak()
     finally:
         p.stop(10)
     assert p.maxrss is not None
