@@ -9,6 +9,7 @@ import struct
 import tracemalloc
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,12 +17,19 @@ import pytest
 from adapters.cachefile import (
     CacheFile,
     CacheFileError,
+    CacheLayers,
     check_out_path,
+    destination_layers,
     llama_descriptor,
     load,
+    open_layers,
+    same_bits,
     save,
+    save_layers,
     synthetic,
+    synthetic_layers,
 )
+from adapters.numpy_kv import KvDestination, layer_sections
 
 SMALL = llama_descriptor(layers=2, kv_heads=2, head_dim=8, block_tokens=4)
 
@@ -218,3 +226,168 @@ def test_out_paths_are_checked_before_any_work(tmp_path: Path) -> None:
         check_out_path(tmp_path / "d.npz")
     assert check_out_path(tmp_path / "ok.npz") == tmp_path / "ok.npz"
     assert not (tmp_path / "ok.npz").exists()  # nothing created
+
+
+# --- memory: a cache is held once (issue 11, "Memory") ----------------------------------------
+
+MIB = 1 << 20
+BIG = llama_descriptor(layers=16, kv_heads=8, head_dim=128, block_tokens=16)
+"""16 layers x 8 heads x 128, bfloat16: 64 KiB of K+V per token."""
+
+
+def _peak(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the peak of traced memory (numpy's arrays included) above the start."""
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        result = fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return result, peak - base
+
+
+@pytest.fixture(scope="module")
+def big_cache() -> CacheFile:
+    return synthetic(BIG, 256, seed=3)  # 16 MiB
+
+
+def _nbytes(cache: CacheFile) -> int:
+    return int(cache.k.nbytes + cache.v.nbytes)
+
+
+def test_load_of_an_npz_holds_the_cache_once(tmp_path: Path, big_cache: CacheFile) -> None:
+    """The arrays are inflated straight from the file: the file's octets are never held
+    whole beside them (that was twice the cache)."""
+    path = tmp_path / "c.npz"
+    save(path, big_cache)
+    got, peak = _peak(lambda: load(path))
+    assert np.array_equal(got.k, big_cache.k) and np.array_equal(got.v, big_cache.v)
+    assert peak < 1.1 * _nbytes(big_cache) + 2 * MIB, peak
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_save_writes_layer_by_layer(tmp_path: Path, big_cache: CacheFile, suffix: str) -> None:
+    """Nothing of the cache is copied whole to write it (safetensors made a bytes copy of
+    all of K, then of V)."""
+    path = tmp_path / f"c{suffix}"
+    _, peak = _peak(lambda: save(path, big_cache))
+    assert peak < 4 * MIB, peak
+    got = load(path)
+    assert got.tokens == big_cache.tokens
+    assert np.array_equal(got.k, big_cache.k) and np.array_equal(got.v, big_cache.v)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_open_layers_reads_one_layer_at_a_time(
+    tmp_path: Path, big_cache: CacheFile, suffix: str
+) -> None:
+    path = tmp_path / f"c{suffix}"
+    save(path, big_cache)
+    source = open_layers(path)
+    assert source.descriptor == big_cache.descriptor and source.tokens == big_cache.tokens
+    layer_bytes = _nbytes(big_cache) // BIG["layers"]
+
+    def walk() -> bool:
+        same = True
+        for layer, (k, v) in enumerate(source.layers()):
+            same &= np.array_equal(k, big_cache.k[layer]) and np.array_equal(v, big_cache.v[layer])
+            assert k.flags.c_contiguous and k.flags.writeable
+        return same
+
+    same, peak = _peak(walk)
+    assert same
+    assert peak < 3 * layer_bytes + 2 * MIB, (peak, layer_bytes)
+    _, peak = _peak(source.check)
+    assert peak < 3 * layer_bytes + 2 * MIB, (peak, layer_bytes)
+
+
+def test_open_layers_refuses_what_load_refuses(tmp_path: Path) -> None:
+    cache = synthetic(SMALL, 8, 1)
+    with pytest.raises(CacheFileError, match="no such file"):
+        open_layers(tmp_path / "absent.npz")
+    save(tmp_path / "w.npz", CacheFile(cache.descriptor, cache.tokens[:4], cache.k, cache.v))
+    with pytest.raises(CacheFileError, match="shape"):
+        open_layers(tmp_path / "w.npz")
+    save(
+        tmp_path / "w.safetensors", CacheFile(cache.descriptor, cache.tokens[:4], cache.k, cache.v)
+    )
+    with pytest.raises(CacheFileError, match="shape"):
+        open_layers(tmp_path / "w.safetensors")
+    # a corrupt octet in the data: refused by check() (the member's CRC-32), as by load()
+    big = synthetic(llama_descriptor(layers=4, kv_heads=2, head_dim=64), 256, 3)
+    path = tmp_path / "crc.npz"
+    save(path, big)
+    raw = bytearray(path.read_bytes())
+    at = raw.find(big.k[3].tobytes()[:64])
+    raw[at + 5] ^= 1
+    path.write_bytes(bytes(raw))
+    source = open_layers(path)
+    with pytest.raises(CacheFileError, match="CRC"):
+        source.check()
+    with pytest.raises(CacheFileError, match="CRC"):
+        load(path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+@pytest.mark.parametrize("tokens", [12, 13, 3])
+def test_synthetic_layers_are_synthetic_bits(dtype: str, tokens: int) -> None:
+    desc = llama_descriptor(layers=3, kv_heads=2, head_dim=8, block_tokens=4, dtype=dtype)
+    whole = synthetic(desc, tokens, 9)
+    layers = synthetic_layers(desc, tokens, 9)
+    assert layers.tokens == whole.tokens and layers.descriptor == whole.descriptor
+    got = layers.load()
+    assert np.array_equal(got.k.view(np.uint8), whole.k.view(np.uint8))
+    assert np.array_equal(got.v.view(np.uint8), whole.v.view(np.uint8))
+
+
+def test_synthetic_layers_hold_one_layer(big_cache: CacheFile) -> None:
+    layers = synthetic_layers(BIG, 256, 3)
+    layer_bytes = _nbytes(big_cache) // BIG["layers"]
+    same, peak = _peak(
+        lambda: all(
+            np.array_equal(k, big_cache.k[i]) and np.array_equal(v, big_cache.v[i])
+            for i, (k, v) in enumerate(layers.layers())
+        )
+    )
+    assert same
+    assert peak < 3 * layer_bytes + 2 * MIB, (peak, layer_bytes)
+
+
+def test_a_destination_is_verified_and_written_without_a_second_copy(
+    tmp_path: Path, big_cache: CacheFile
+) -> None:
+    """What ``kvcs fetch --out`` does with its destination: compared with the source
+    (same_bits) and written (save_layers) one layer at a time; it stacked every layer
+    into new arrays (two more copies of the cache) before."""
+    cd = big_cache.cd
+    tokens = 240  # a shorter prompt: 15 of the 16 blocks
+    dest = KvDestination(cd, tokens)
+    for layer in range(cd.layers):
+        s = layer_sections(big_cache.k[layer], big_cache.v[layer], cd, blocks=tokens // 16)
+        np.copyto(
+            np.frombuffer(dest.buffer(layer, "k"), np.uint8), np.frombuffer(s.k_data, np.uint8)
+        )
+        np.copyto(
+            np.frombuffer(dest.buffer(layer, "v"), np.uint8), np.frombuffer(s.v_data, np.uint8)
+        )
+    source = CacheLayers.of(big_cache)
+    layer_bytes = _nbytes(big_cache) // cd.layers
+    same, peak = _peak(lambda: same_bits(source, dest, tokens))
+    assert same
+    assert peak < 2 * layer_bytes + 2 * MIB, peak
+    path = tmp_path / "out.npz"
+    k, v = destination_layers(dest, tokens)
+    _, peak = _peak(
+        lambda: save_layers(path, big_cache.descriptor, big_cache.tokens[:tokens], k, v)
+    )
+    assert peak < 2 * layer_bytes + 2 * MIB, peak
+    got = load(path)
+    assert got.tokens == big_cache.tokens[:tokens]
+    assert np.array_equal(got.k, big_cache.k[:, :, :tokens]) and np.array_equal(
+        got.v, big_cache.v[:, :, :tokens]
+    )
+    changed = np.frombuffer(dest.buffer(cd.layers - 1, "v"), np.uint8)
+    changed[-1] ^= 1
+    assert not same_bits(source, dest, tokens)

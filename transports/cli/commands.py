@@ -23,10 +23,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 from cryptography.hazmat.primitives import serialization
 
-from adapters.cachefile import CacheFile, CacheFileError, check_out_path, same_bits, save
+from adapters.cachefile import (
+    CacheFileError,
+    CacheLayers,
+    check_out_path,
+    destination_layers,
+    same_bits,
+    save_layers,
+)
 from adapters.numpy_kv import KvDestination, layer_sections
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
@@ -259,9 +265,14 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
             await _wait_subscribed(b, client, pub, args.wait_for_subscriber)
         bar = Progress("publishing", cd.layers, enabled=None if not args.json else False)
         t0 = time.monotonic()
-        for layer in range(cd.layers):
-            sections = layer_sections(cache.k[layer], cache.v[layer], cd, blocks=blocks)
+        # one layer of the source at a time: gathered once into section order (the
+        # publisher keeps the sections, by reference), then let go; where the layout
+        # allows views (one KV head) the sections are views of the layer just read
+        for layer, (k, v) in enumerate(cache.layers()):
+            sections = layer_sections(k, v, cd, blocks=blocks)
+            del k, v
             await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+            del sections
             bar.update(layer + 1)
             if args.layer_interval:
                 await _wait(b, args.layer_interval)
@@ -483,7 +494,7 @@ def _warn_discarded(retrieval: CacheRetrieval, seen: int, args: argparse.Namespa
 
 
 def finish_fetch(
-    args: argparse.Namespace, source: CacheFile, dest: KvDestination, outcome: dict[str, Any]
+    args: argparse.Namespace, source: CacheLayers, dest: KvDestination, outcome: dict[str, Any]
 ) -> int:
     result: RetrievalComplete | None = outcome["result"]
     cd = source.cd
@@ -491,13 +502,12 @@ def finish_fetch(
     tokens = blocks * cd.block_tokens
     complete = bool(result and result.complete and blocks > 0)
     identical: bool | None = None
-    if complete and args.verify:
+    if complete and args.verify:  # the source read one layer at a time, beside dest
         identical = same_bits(source, dest, tokens)
-    if complete and args.out is not None:
-        k = np.stack([dest.as_engine_arrays(layer)[0][:, :tokens] for layer in range(cd.layers)])
-        v = np.stack([dest.as_engine_arrays(layer)[1][:, :tokens] for layer in range(cd.layers)])
+    if complete and args.out is not None:  # written layer by layer from dest
         try:
-            save(args.out, CacheFile(source.descriptor, source.tokens[:tokens], k, v))
+            k, v = destination_layers(dest, tokens)
+            save_layers(args.out, source.descriptor, source.tokens[:tokens], k, v)
         except CacheFileError as exc:
             raise CliError(str(exc), Exit.FILE) from None
     total = outcome["total"]

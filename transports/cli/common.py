@@ -18,12 +18,12 @@ from typing import Any
 import trio
 
 from adapters.cachefile import (
-    CacheFile,
     CacheFileError,
+    CacheLayers,
     file_kind,
     llama_descriptor,
-    load,
-    synthetic,
+    open_layers,
+    synthetic_layers,
 )
 from kvcs_core.wire.names import TrackNamespace
 from transports.quic import asyncio_binding, trio_binding
@@ -198,10 +198,16 @@ def scope_key(args: argparse.Namespace) -> bytes:
     return key
 
 
-def cache_source(args: argparse.Namespace) -> CacheFile:
+def cache_source(args: argparse.Namespace) -> CacheLayers:
+    """The cache of ``--file`` or the synthetic options: its descriptor and tokens, its K
+    and V read one layer at a time (never held whole beside the publisher's sections or
+    the consumer's destination). A file is read through once here, one layer in memory at
+    a time, so that a truncated or corrupt one is refused before any transfer."""
     if args.file is not None:
         try:
-            return load(args.file)
+            source = open_layers(args.file)
+            source.check()
+            return source
         except CacheFileError as exc:
             raise CliError(str(exc), Exit.FILE) from None
     try:
@@ -212,7 +218,7 @@ def cache_source(args: argparse.Namespace) -> CacheFile:
             dtype=args.dtype,
             block_tokens=args.block_tokens,
         )
-        return synthetic(desc, args.tokens, args.seed)
+        return synthetic_layers(desc, args.tokens, args.seed)
     except ValueError as exc:
         raise CliError(f"bad synthetic cache shape: {exc}", Exit.USAGE) from None
 
