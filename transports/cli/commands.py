@@ -282,10 +282,11 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         seconds = round(time.monotonic() - t0, 3)
         extra = {}
         if args.digest:
+            # the layers are read once more (one at a time), after the timing
             extra["digest"] = _digest(
                 part
-                for layer in range(cd.layers)
-                for part in _kv(layer_sections(cache.k[layer], cache.v[layer], cd, blocks=blocks))
+                for k, v in cache.layers()
+                for part in _kv(layer_sections(k, v, cd, blocks=blocks))
             )
         report(
             args,
