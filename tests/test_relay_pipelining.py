@@ -18,6 +18,7 @@ from relay_net import RelayNet, Subscriber, payload, produce, track
 
 from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.relay import Relay
+from kvcs_core.wire.codes import ObjectStatus
 from kvcs_core.wire.names import Location
 
 GROUPS, OBJECTS, SIZE = 16, 8, 4000
@@ -98,3 +99,50 @@ def test_a_subscriber_joining_mid_production_is_fed_while_the_relays_fill(hops: 
     # groups (two periods per hop at this link speed) had been stored at every hop
     assert first_after < PERIOD / 2, first_after
     assert max(delays[-3:]) < PERIOD, delays  # caught up: live again
+
+
+@pytest.mark.parametrize("hops", [1, 2], ids=["one-relay", "two-relay-tree"])
+def test_groups_produced_interleaved_go_out_one_stream_per_group(hops: int) -> None:
+    """A producer with several groups (layers) in flight sends their objects interleaved.
+    A relay used to FIN a subgroup's stream as soon as an object of another group came
+    (assuming groups in order), so each group went out over many streams, which the next
+    hop could receive out of order (seen with ``kvcs publish`` through two relays: objects
+    lost). Now each group keeps one stream, ended by its End of Group."""
+    rn, leaf, store = _network(hops)
+    sub = rn.add_subscriber(leaf)
+    rid = sub.subscribe_all(store.name)
+    rn.settle(0.1)
+    for o in range(OBJECTS):  # every group at once, one object of each in turn
+        for g in range(GROUPS):
+            store.append(g, o, payload(g, o, SIZE))
+            rn.settle(0.001)
+    for g in range(GROUPS):
+        store.append(g, OBJECTS, status=ObjectStatus.END_OF_GROUP)
+    (pub,) = rn.publishers.values()
+    pub.end_track(store, rn.now)
+    rn.run_until(lambda: sub.done(rid) is not None, max_time=30)
+    assert sub.normal(rid) == _want()
+    done = sub.done(rid)
+    assert done is not None
+    assert done.stream_count <= GROUPS + 1, done  # before: about one stream per object
+
+
+def test_an_object_that_reaches_the_store_below_its_stream_is_sent_not_dropped() -> None:
+    """A relay's store can get a subgroup's objects out of order (its upstream split the
+    subgroup over streams that arrived out of order). One below the Object ID its
+    subgroup stream has reached cannot go on that stream (d21 11.3.1); it used to be
+    dropped from the live path (the subscriber never got it). It goes on a stream of its
+    own."""
+    rn = RelayNet()
+    relay = rn.add_relay()
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("stray")))
+    sub = rn.add_subscriber(relay)
+    rid = sub.subscribe_all(store.name)
+    rn.settle(0.1)
+    for o in (0, 1, 3, 5, 2, 4, 6, 7):  # the subgroup as two streams received interleaved
+        store.append(0, o, payload(0, o, SIZE))
+        rn.settle(0.01)
+    store.append(0, OBJECTS, status=ObjectStatus.END_OF_GROUP)
+    rn.run_until(lambda: len(sub.normal(rid)) == OBJECTS, max_time=10)
+    assert sub.normal(rid) == {Location(0, o): payload(0, o, SIZE) for o in range(OBJECTS)}

@@ -135,6 +135,9 @@ _MAX_MEMO_PREFIXES = 1024
 """Subgroup object prefixes memoised per session (bounded: cleared when full)."""
 
 _MAX_FILL_RECORDS = 8
+
+_MAX_OPEN_SUBGROUPS = 16
+"""Subgroup streams a subscription keeps open at once before it FINs the oldest groups'."""
 """Fill ranges a subscription remembers for late objects (A27); the oldest is forgotten."""
 
 
@@ -971,15 +974,18 @@ class Publisher:
         if served.any_filter and not served.filters.matches(obj):
             return
         group = loc.group
-        if served.current_group is not None and group != served.current_group:
-            # the original publisher produces groups in order: earlier subgroups are complete
-            for key, sender in list(served.senders.items()):
-                if key[0] != group:
-                    sender.fin_when_drained = True
-                    if sender.complete_at is None:
-                        sender.complete_at = self.now
-                    self._reschedule(sender)
-        served.current_group = group
+        if served.current_group is not None and group > served.current_group:
+            # a later group started: earlier subgroups count as complete for their delivery
+            # timeouts (d21 5.2). Their streams stay open, though: groups may arrive
+            # interleaved (a producer with several layers in flight, a relay's upstream),
+            # and a stream FIN'd early would split a subgroup over several streams that
+            # the next hop may receive out of order. They end with their End of Group or
+            # End of Track, or when too many are open (the oldest groups first).
+            for key, sender in served.senders.items():
+                if key[0] < group and sender.complete_at is None:
+                    sender.complete_at = self.now
+        if served.current_group is None or group > served.current_group:
+            served.current_group = group
         if obj.datagram:
             if self._datagram_size(served, obj) > self._config.max_datagram_size:
                 return  # wire reference 7.6: too big for the path's datagrams: dropped
@@ -996,8 +1002,10 @@ class Publisher:
             if loc.object < floor:
                 # Object IDs ascend on a subgroup stream (d21 11.3.1): one that reached the
                 # store after a later one of its subgroup (two publishers of a track, a
-                # relay's out-of-order upstream) cannot go on it; it is not sent live
-                return
+                # relay's upstream that split the subgroup over streams) cannot go on it;
+                # it goes on a stream of its own, FIN'd once sent: never lost
+                sender = self._stray_sender(served, obj)
+                queue = sender.queue
         was_idle = not queue and not sender.partial
         queue.append(obj)
         sender.enqueued.append(self.now)
@@ -1015,6 +1023,30 @@ class Publisher:
             return sender
         if key in served.timed_out:
             return _ABANDONED
+        if len(served.senders) >= _MAX_OPEN_SUBGROUPS:
+            # bounded open streams: the oldest groups' subgroups end once drained
+            for old in sorted(served.senders)[: len(served.senders) - _MAX_OPEN_SUBGROUPS + 1]:
+                older = served.senders[old]
+                if not older.fin_when_drained:
+                    older.fin_when_drained = True
+                    if older.complete_at is None:
+                        older.complete_at = self.now
+                    self._reschedule(older)
+        return self._open_subgroup(served, obj, key)
+
+    def _stray_sender(self, served: _Served, obj: StoredObject) -> _Sender:
+        """A subgroup stream for an object below its subgroup stream's next Object ID: it
+        starts at this object (not the subgroup's first, d21 11.3.1) and ends once drained.
+        Not registered by (group, subgroup), so the subgroup's stream goes on as it was."""
+        sender = self._open_subgroup(served, obj, None)
+        sender.fin_when_drained = True
+        served.others.append(sender)
+        return sender
+
+    def _open_subgroup(
+        self, served: _Served, obj: StoredObject, key: tuple[int, int] | None
+    ) -> _Sender:
+        sub = obj.subgroup_id or 0
         first = served.store.subgroup_first(obj.location.group, sub) == obj.location.object
         header = SubgroupHeader(
             track_alias=served.alias,
@@ -1031,9 +1063,10 @@ class Publisher:
         sender = self._new_sender(
             served, _Kind.SUBGROUP, priority=obj.publisher_priority, stream=False
         )
-        sender.group_id, sender.subgroup_id = key
+        sender.group_id, sender.subgroup_id = obj.location.group, sub
         sender.stream_header = encode_subgroup_header(header)
-        served.senders[key] = sender
+        if key is not None:
+            served.senders[key] = sender
         return sender
 
     def _datagram_sender(self, served: _Served) -> _Sender:
