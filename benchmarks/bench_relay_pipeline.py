@@ -695,11 +695,17 @@ def aiomoqt_inside(args: argparse.Namespace) -> None:
     procs: list[Child] = []
     out: dict[str, Any] = {"event": "aiomoqt", "ok": False, "error": None}
     try:
-        relay_cmd = [str(PEERS_PYTHON), str(ROOT / "tests" / "peers" / "aiomoqt_relay.py")]
-        relay_cmd += ["--port", str(AIOMOQT_PORT), "--cert", str(certs / "cert.pem")]
-        relay_cmd += ["--key", str(certs / "key.pem"), "--timeout", str(3 * args.timeout)]
-        relay = start(procs, "aiomoqt relay", relay_cmd)
-        relay.watch_pid = int(wait_event(procs, relay, "ready", START_TIMEOUT)["pid"])
+        if args.via:  # aiomoqt's publisher and subscriber through kvcs relay on a stack
+            relay_cmd = kvcs("relay", "--listen", f"127.0.0.1:{AIOMOQT_PORT}", "--self-signed")
+            relay_cmd += ["--stack", args.via, "--json", "--run-for", str(3 * args.timeout)]
+            relay = start(procs, f"kvcs relay ({args.via})", relay_cmd)
+            wait_event(procs, relay, "listening", START_TIMEOUT)
+        else:
+            relay_cmd = [str(PEERS_PYTHON), str(ROOT / "tests" / "peers" / "aiomoqt_relay.py")]
+            relay_cmd += ["--port", str(AIOMOQT_PORT), "--cert", str(certs / "cert.pem")]
+            relay_cmd += ["--key", str(certs / "key.pem"), "--timeout", str(3 * args.timeout)]
+            relay = start(procs, "aiomoqt relay", relay_cmd)
+            relay.watch_pid = int(wait_event(procs, relay, "ready", START_TIMEOUT)["pid"])
         pub = start(procs, "aiomoqt pub", [str(PEERS_PYTHON), peer, "pub", *shape_opts])
         digest = wait_event(procs, pub, "announced", START_TIMEOUT)["digest"]
         mark_all(procs)
@@ -722,11 +728,15 @@ def aiomoqt_inside(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
-def run_aiomoqt(args: argparse.Namespace) -> dict[str, Any]:
+def run_aiomoqt(args: argparse.Namespace, via: str | None = None) -> dict[str, Any]:
+    """aiomoqt's publisher -> relay -> subscriber in a loopback-only namespace: aiomoqt's
+    relay, or with ``via`` kvcs relay on that stack."""
     _, _, nbytes = shape(args.mib, args.layers)
     cmd = ["unshare", "-rn", "--", sys.executable, str(Path(__file__).resolve())]
     cmd += ["--worker", "aiomoqt", "--mib", str(args.mib), "--layers", str(args.layers)]
     cmd += ["--timeout", str(args.timeout)]
+    if via is not None:
+        cmd += ["--via", via]
     procs: list[Child] = []
     try:
         ns = start(procs, "aiomoqt", cmd)
@@ -957,6 +967,35 @@ def default_stacks() -> str:
     return ",".join(names)
 
 
+def run_aiomoqt_through_kvcs(args: argparse.Namespace, stacks: list[str]) -> int:
+    """#11's interop must-show: aiomoqt's publisher -> kvcs relay -> aiomoqt's subscriber,
+    ``--aiomoqt-through-kvcs`` runs per stack, each complete and bit-identical or not."""
+    why = aiomoqt_unavailable()
+    if why is not None:
+        print(f"aiomoqt through kvcs relay: not run: {why}")
+        return 1
+    _, _, nbytes = shape(args.mib, args.layers)
+    failed = 0
+    for stack in stacks:
+        good, rates = 0, []
+        for i in range(args.aiomoqt_through_kvcs):
+            out = run_aiomoqt(args, via=stack)
+            ok = bool(out.get("ok"))
+            good += ok
+            if ok:
+                rates.append(nbytes / out["seconds"] / 1e6)
+            else:
+                print(f"  {stack} run {i + 1}: {out.get('error')}", flush=True)
+        failed += args.aiomoqt_through_kvcs - good
+        shown = ", ".join(f"{r:.1f}" for r in rates) or "-"
+        print(
+            f"aiomoqt pub -> kvcs relay ({stack}) -> aiomoqt sub, {nbytes / MIB:.0f} MiB: "
+            f"{good}/{args.aiomoqt_through_kvcs} complete and bit-identical; MB/s {shown}",
+            flush=True,
+        )
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=float, default=256, help="cache size in MiB (default 256)")
@@ -980,6 +1019,9 @@ def main() -> int:
     ap.add_argument("--runs-consecutive", type=int, metavar="N",
                     help="each configuration N times (kvcs only): count the good runs")  # fmt: skip
     ap.add_argument("--json", metavar="FILE", help="write every run's figures here")
+    ap.add_argument("--aiomoqt-through-kvcs", type=int, metavar="N",
+                    help="only: aiomoqt's publisher and subscriber through kvcs relay, N runs "
+                    "per stack; count those complete and bit-identical")  # fmt: skip
     # worker modes (this file started by itself)
     ap.add_argument("--worker", choices=("raw-send", "raw-fwd", "raw-recv", "aiomoqt"),
                     help=argparse.SUPPRESS)  # fmt: skip
@@ -987,6 +1029,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--via", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.timeout_default = args.timeout is None
     if args.timeout is None:
@@ -1017,7 +1060,9 @@ def main() -> int:
         flush=True,
     )
     started = time.monotonic()
-    if args.runs_consecutive:
+    if args.aiomoqt_through_kvcs:
+        status = run_aiomoqt_through_kvcs(args, stacks)
+    elif args.runs_consecutive:
         status = run_consecutive(args, stacks, configs)
     else:
         status = run_once(args, stacks, configs)
