@@ -2,9 +2,12 @@
 
 In one process: publish -> relay -> live and late consumers, all on pquic and
 with the relay and the clients on different stacks (aioquic, qh3), bit for
-bit; the unsent bound of a publishing connection; writes that aiopquic refuses
-for want of ring space (held and retried in order). As separate processes:
-``kvcs relay/publish/fetch/ls --stack pquic``. And the one-line refusals: trio,
+bit; the unsent bound of a publishing connection; a connection with unsent
+bytes below that bound still waited on (drain signal and recheck timer armed);
+writes that aiopquic refuses for want of ring space (held and retried in
+order). As separate processes:
+``kvcs relay/publish/fetch/ls --stack pquic``, and an unpaced publish of 8 MiB
+through a relay process. And the one-line refusals: trio,
 and a missing aiopquic.
 
 Everything but the missing-aiopquic check needs aiopquic, which has wheels for
@@ -180,6 +183,39 @@ def test_writes_refused_for_want_of_ring_space_are_held_and_retried_in_order(
 
 
 @needs_pquic
+def test_a_connection_with_unsent_bytes_below_the_bound_is_watched(
+    tls: TlsConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whenever a service of the driver ends with bytes of a connection still in picoquic's
+    rings, the driver waits on them (drain signal and recheck timer armed), not only at the
+    unsent bound: picoquic sends them in its own thread without a word to asyncio, so a
+    pump that stopped pulling short of its bound was never called again (a publisher, its
+    relay and its consumer each in a process of its own sat idle until an unrelated event).
+    Bytes can only leave the rings between the check and the service's end, never arrive,
+    so the check below cannot fail where the driver is right."""
+    unwatched: list[tuple[int, int]] = []
+    checks = {"n": 0}
+    service = pquic_binding.PquicDriver._service
+
+    def checked_service(self: Any) -> None:
+        service(self)
+        if self._closed:
+            return
+        for pump in list(self.endpoint.pumps):
+            if pump.terminated:
+                continue
+            checks["n"] += 1
+            left = pump.quic.unsent_total()
+            if left > 0 and self._timer_at is None:
+                unwatched.append((left, pump.max_unsent))
+
+    monkeypatch.setattr(pquic_binding.PquicDriver, "_service", checked_service)
+    _run("asyncio", lambda: _publish_and_fetch(tls, layers=8, tokens=1024), 90)
+    assert checks["n"] > 0
+    assert not unwatched, f"{len(unwatched)} services left unsent bytes unwatched: {unwatched[:5]}"
+
+
+@needs_pquic
 def test_pquic_on_trio_is_refused_in_one_line(tls: TlsConfig) -> None:
     async def main() -> None:
         async with trio_binding.serve_relay("127.0.0.1:0", tls=tls, stack="pquic"):
@@ -222,6 +258,38 @@ def test_cli_relay_publish_fetch_ls_on_pquic(procs: Procs) -> None:
     assert listing.returncode == 0, listing.stderr
     assert "Traceback" not in listing.stderr
     assert first["namespace"] in listing.stdout
+    assert relay.poll() is None, procs.stderr("relay")
+
+
+@needs_pquic
+def test_cli_unpaced_publish_through_a_relay_process_all_on_pquic(procs: Procs) -> None:
+    """The three-process run that stalled: an unpaced publisher of a few MiB, a relay and
+    a late consumer, each a process on pquic. Before publishing connections waited on
+    picoquic below their unsent bound too, the publisher often sat idle with the rest of
+    the cache until the consumer gave up on it (objects missing) or re-requested it."""
+    relay, url, _ca = procs.relay("relay", "--stack", "pquic")
+    # 8 MiB: 8 layers x 8 KV heads x 128, bfloat16, 256 tokens
+    cache = ["--layers", "8", "--kv-heads", "8", "--head-dim", "128", "--tokens", "256",
+             *CACHE[8:]]  # fmt: skip
+    pub = procs.start(
+        "publisher", "publish", url, "-k", *cache, "--stack", "pquic",
+        "--serve-for", "60", "--json",
+    )  # fmt: skip
+    first = json.loads(read_line(pub, START_TIMEOUT, "the publisher's first line"))
+    assert first["event"] == "publishing"
+    done = json.loads(read_line(pub, START_TIMEOUT, "the publisher's second line"))
+    assert done["event"] == "published", done
+    fetch = procs.start(
+        "fetch", "fetch", url, *cache, "--json", "--fetch-timeout", "45", "-k",
+        "--stack", "pquic",
+    )  # fmt: skip
+    out = procs.finish(fetch)
+    err = procs.stderr("fetch")
+    assert fetch.returncode == 0, f"exit {fetch.returncode}\n{out}\n{err}"
+    done = [json.loads(line) for line in out.splitlines() if '"event":"done"' in line]
+    assert len(done) == 1, out
+    assert done[0]["complete"] is True and done[0]["bit_identical"] is True, (done[0], err)
+    assert done[0]["bytes"] == 8 * 1024 * 1024, done[0]
     assert relay.poll() is None, procs.stderr("relay")
 
 

@@ -28,10 +28,16 @@ and no timers to run, so the sans-I/O part of kvcs (:class:`~.endpoint.QuicEndpo
   room (``BufferError``: its TX event ring or the stream's ring is full; it
   commits nothing) is held here, in order, and retried before anything new
   is pulled; it counts as unsent, so the pump pulls nothing while it waits.
-  When a connection is at its bound the driver arms aiopquic's per-stream
-  drain signal (``set_tx_data_drain_pending``), whose event wakes it as soon
-  as picoquic takes bytes from the ring; a short fallback timer covers a
-  signal lost to a full ring.
+  While a connection has *any* written-but-unsent bytes (not only at its
+  bound) the driver arms aiopquic's per-stream drain signal
+  (``set_tx_data_drain_pending``), whose event wakes it as soon as picoquic
+  takes bytes from the ring; a short fallback timer covers a signal lost to
+  a full ring. Nothing else would wake it: picoquic handles ACKs in its own
+  thread, and a pump stops pulling short of its bound whenever the budget
+  left is smaller than what comes next (a new stream's header, a datagram),
+  so waiting only at the bound stalled a lone publisher until some unrelated
+  event arrived (with a relay and a consumer each in its own process, until
+  the consumer's 10 s stall timer).
 * **Stream credit.** picoquic keeps the peer's MAX_STREAMS to itself and
   holds a stream opened beyond it until credit arrives (RFC 9000 section 4.6);
   no :class:`~kvcs_core.moqt.transport_io.StreamCredit` is reported, so the
@@ -381,11 +387,17 @@ class PquicEndpoint(QuicEndpoint):
                 self._guard(pump, "receive", now, pump.process_events, now)
 
     def backpressured(self) -> list[PquicConnection]:
-        """Connections at their unsent bound or holding refused writes."""
+        """Connections with written bytes picoquic has not taken yet, or refused writes.
+
+        Not only those at their unsent bound: a pump can stop pulling short of it (the
+        budget left is smaller than what comes next, e.g. a new stream's header), and
+        picoquic takes the bytes in its own thread without a word to this one (ACKs
+        never reach asyncio), so nothing would call the pump again.
+        """
         out = []
         for pump in self.pumps:
             conn = pump.quic
-            if not pump.terminated and (conn.holding or conn.unsent_total() >= pump.max_unsent):
+            if not pump.terminated and (conn.holding or conn.unsent_total() > 0):
                 out.append(conn)
         return out
 
