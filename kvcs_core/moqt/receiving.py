@@ -105,6 +105,9 @@ class DataReceiver:
         self._draining: dict[int, tuple[int | None, float]] = {}
         """Subscriptions whose PUBLISH_DONE arrived while streams may still be in flight:
         Request ID -> (Stream Count, or None if unknown; give-up time) (d21 9.9)."""
+        self._progressed: set[int] = set()
+        """Draining subscriptions whose streams delivered bytes since their give-up time
+        was set: the time moves on by another grace instead (:meth:`publish_done`)."""
         self._held_total = 0
         """Bytes held for streams whose Track Alias is unknown, over all of them
         (bounded by ``max_unknown_alias_bytes`` in total)."""
@@ -143,9 +146,13 @@ class DataReceiver:
 
     def publish_done(self, rec: RequestRecord, done: PublishDoneReceived, now: float) -> None:
         """PUBLISH_DONE: keep receiving until Stream Count streams were seen and ended, or
-        ``publish_done_grace`` passes (d21 9.9, wire reference 4.5); then emit ``done`` and
-        forget the subscription. Over QUIC the control message can overtake data streams:
-        the event comes after the last object the subscription delivers."""
+        ``publish_done_grace`` passes with no byte arriving on the subscription's streams
+        (d21 9.9, wire reference 4.5: the subscriber keeps state *at least* that long; a
+        publisher that wrote a whole track at once sends PUBLISH_DONE long before its data
+        has crossed a slow path, so the grace runs from the last progress, not from the
+        message); then emit ``done`` and forget the subscription. Over QUIC the control
+        message can overtake data streams: the event comes after the last object the
+        subscription delivers."""
         count = done.stream_count
         expected = None if count == (1 << 64) - 1 else count
         self._draining[rec.request_id] = (expected, now + self._config.publish_done_grace)
@@ -166,19 +173,25 @@ class DataReceiver:
         if done is not None:
             self._out.emit(done)
         self._seen.pop(rec.request_id, None)
+        self._progressed.discard(rec.request_id)
         self.request_finished(rec)
 
     def next_deadline(self) -> float | None:
         return min((d for _, d in self._draining.values()), default=None)
 
     def on_timer(self, now: float) -> None:
-        for rid, (_, deadline) in list(self._draining.items()):
+        for rid, (expected, deadline) in list(self._draining.items()):
             rec = self._requests.get(rid)
             if deadline <= now and rec is not None:
-                self._stop_draining(rec)
+                if rid in self._progressed:  # still arriving: another grace from now
+                    self._progressed.discard(rid)
+                    self._draining[rid] = (expected, now + self._config.publish_done_grace)
+                else:
+                    self._stop_draining(rec)
             elif rec is None:
                 del self._draining[rid]
                 self._done_events.pop(rid, None)
+                self._progressed.discard(rid)
 
     def _live(self, rec: RequestRecord) -> bool:
         return not rec.finished or rec.request_id in self._draining
@@ -218,6 +231,9 @@ class DataReceiver:
             return
         if items:
             self._deliver(s, st, items)
+            rec = st.request
+            if rec is not None and rec.request_id in self._draining:
+                self._progressed.add(rec.request_id)
         if fin and not st.held and s in self.streams:
             self._ended(s, st, None)
 
