@@ -47,7 +47,13 @@ PRIORITY = 128
 
 
 def content(args: argparse.Namespace) -> bytes:
-    return random.Random(args.seed).randbytes(args.groups * args.objects * args.size)
+    """The seeded bytes to send, made in 1 MiB pieces (``randbytes`` of 256 MiB at once
+    overflows: it draws all the bits as one C int)."""
+    rng, total, piece = random.Random(args.seed), args.groups * args.objects * args.size, 1 << 20
+    out = bytearray()
+    while len(out) < total:
+        out += rng.randbytes(min(piece, total - len(out)))
+    return bytes(out)
 
 
 async def publisher(args: argparse.Namespace) -> int:
