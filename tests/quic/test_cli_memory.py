@@ -32,12 +32,14 @@ from adapters.cachefile import llama_descriptor, save, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
-TOKENS = 256
-"""32 layers x 8 heads x 128, bfloat16: 128 KiB per token, 32 MiB in all."""
+TOKENS = 512
+"""32 layers x 8 heads x 128, bfloat16: 128 KiB per token, 64 MiB in all."""
 CACHE_BYTES = TOKENS * 2 * 32 * 8 * 128 * 2
-MARGIN = 0.25 * CACHE_BYTES + 16 * MIB
-"""Allowed above an idle process plus the cache: per-Object bookkeeping, QUIC buffers,
-one layer in flight, the allocator's slack. Twice the cache is far beyond it."""
+MARGIN = 40 * MIB
+"""Allowed above an idle process plus the cache, a fixed margin (#11 allows 64 MiB):
+per-Object bookkeeping, QUIC buffers, one layer in flight, the allocator's slack
+(measured 20-30 MiB at 32 to 256 MiB caches). A second copy of the cache (64 MiB) is
+beyond it."""
 SCOPE = "3c" * 32
 TIMEOUT = 240.0
 
