@@ -35,11 +35,11 @@ MIB = 1 << 20
 TOKENS = 512
 """32 layers x 8 heads x 128, bfloat16: 128 KiB per token, 64 MiB in all."""
 CACHE_BYTES = TOKENS * 2 * 32 * 8 * 128 * 2
-MARGIN = 40 * MIB
+MARGIN = 56 * MIB
 """Allowed above an idle process plus the cache, a fixed margin (#11 allows 64 MiB):
 per-Object bookkeeping, QUIC buffers, one layer in flight, the allocator's slack
-(measured 20-30 MiB at 32 to 256 MiB caches). A second copy of the cache (64 MiB) is
-beyond it."""
+(measured 20-30 MiB on Python 3.11 at 32 to 256 MiB caches, 43 MiB once on 3.13 in a
+full CI run). A second copy of the cache (64 MiB) is beyond it."""
 SCOPE = "3c" * 32
 TIMEOUT = 240.0
 
