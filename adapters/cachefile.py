@@ -219,6 +219,24 @@ def file_kind(path: Path) -> str | None:
     return "not a regular file"
 
 
+def _check_file(path: Path, max_bytes: int) -> int:
+    """``path`` is a regular file of at most ``max_bytes`` octets; its size.
+
+    Raises:
+        CacheFileError: missing, not a regular file, or too large (one line).
+        OSError: from ``stat`` (the callers turn it into a CacheFileError).
+    """
+    kind = file_kind(path)
+    if kind == "no such file":
+        raise CacheFileError(f"no such file: {path}")
+    if kind is not None:
+        raise CacheFileError(f"{path} is {kind}, not a cache file")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise CacheFileError(f"{path}: {size} octets, more than the limit of {max_bytes}")
+    return size
+
+
 def load(path: str | Path, *, max_bytes: int = MAX_CACHE_BYTES) -> CacheFile:
     """Read a ``.npz`` or ``.safetensors`` cache file (any other suffix is read as ``.npz``).
 
@@ -227,15 +245,8 @@ def load(path: str | Path, *, max_bytes: int = MAX_CACHE_BYTES) -> CacheFile:
             larger than ``max_bytes``, unreadable or malformed; one line.
     """
     path = Path(path)
-    kind = file_kind(path)
-    if kind == "no such file":
-        raise CacheFileError(f"no such file: {path}")
-    if kind is not None:
-        raise CacheFileError(f"{path} is {kind}, not a cache file")
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise CacheFileError(f"{path}: {size} octets, more than the limit of {max_bytes}")
+        _check_file(path, max_bytes)
         if path.suffix != ".safetensors":
             # an .npz is inflated member by member straight from the file into its arrays:
             # the file's octets are never held whole beside the arrays (that was 2x the cache)
@@ -263,15 +274,8 @@ def open_layers(path: str | Path, *, max_bytes: int = MAX_CACHE_BYTES) -> CacheL
     """
     path = Path(path)
     name = str(path)
-    kind = file_kind(path)
-    if kind == "no such file":
-        raise CacheFileError(f"no such file: {path}")
-    if kind is not None:
-        raise CacheFileError(f"{path} is {kind}, not a cache file")
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise CacheFileError(f"{path}: {size} octets, more than the limit of {max_bytes}")
+        size = _check_file(path, max_bytes)
         with path.open("rb") as f:
             if path.suffix == ".safetensors":
                 return _guarded(lambda: _safetensors_layers(path, f, size), name, npz=False)
