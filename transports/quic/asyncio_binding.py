@@ -27,6 +27,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from . import pquic_binding
+from ._asyncio_driving import AsyncioDriving
 from ._entry import client_session, relay_server
 from .api import ConnectError, MoqtClient, RelayServer
 from .endpoint import QuicEndpoint
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 
-class AsyncioDriver:
+class AsyncioDriver(AsyncioDriving):
     """Drives one endpoint on one UDP socket in the running asyncio loop."""
 
     def __init__(self, endpoint: QuicEndpoint, udp: UdpSocket) -> None:
@@ -61,26 +62,6 @@ class AsyncioDriver:
         self._writing = False
         self._closed = False
         self._loop.add_reader(udp.fileno(), self._on_readable)
-
-    def now(self) -> float:
-        return self._loop.time()
-
-    def wake(self) -> None:
-        if not self._scheduled and not self._closed:
-            self._scheduled = True
-            self._loop.call_soon(self._service)
-
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> None:
-        deadline = None if timeout is None else self.now() + timeout
-        while not predicate():
-            if self._closed:
-                raise ConnectError("the endpoint is closed")
-            remaining = None if deadline is None else deadline - self.now()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError
-            changed = self._changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
 
     async def aclose(self, timeout: float = 1.0) -> None:
         """Close every connection, wait briefly for them to end, release the socket."""

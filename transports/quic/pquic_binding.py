@@ -84,6 +84,7 @@ from typing import Any
 
 from kvcs_core.moqt.config import Role, SessionConfig
 
+from ._asyncio_driving import AsyncioDriving
 from .api import ConnectError
 from .endpoint import QuicEndpoint
 from .pump import DEFAULT_MAX_UNSENT, SessionPump, keepalive_interval
@@ -436,7 +437,7 @@ class _Address:
         self.address = address
 
 
-class PquicDriver:
+class PquicDriver(AsyncioDriving):
     """Drives a :class:`PquicEndpoint` in the running asyncio loop (the asyncio binding's
     ``open_endpoint`` for this stack)."""
 
@@ -453,26 +454,6 @@ class PquicDriver:
         self._clients: dict[SessionPump, int] = {}
         endpoint.on_client = self._watch_client
         endpoint.on_gone = self._forget
-
-    def now(self) -> float:
-        return self._loop.time()
-
-    def wake(self) -> None:
-        if not self._scheduled and not self._closed:
-            self._scheduled = True
-            self._loop.call_soon(self._service)
-
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> None:
-        deadline = None if timeout is None else self.now() + timeout
-        while not predicate():
-            if self._closed:
-                raise ConnectError("the endpoint is closed")
-            remaining = None if deadline is None else deadline - self.now()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError
-            changed = self._changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
 
     # --- server -----------------------------------------------------------------------------
 
