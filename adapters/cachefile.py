@@ -4,7 +4,7 @@ writes, plus the synthetic Llama-shaped cache the demo and the tests use.
 A cache file holds what a publisher needs and a consumer produces:
 
 * ``k`` and ``v``: engine arrays ``[layers, kv_heads, tokens, head_dim]`` (HND) of
-  the descriptor's raw dtype (:func:`adapters.numpy_kv.engine_dtype`: bfloat16 as
+  the descriptor's raw dtype (:func:`kvcs.adapters.numpy_kv.engine_dtype`: bfloat16 as
   ``uint16`` bit patterns, float8 as ``uint8``);
 * ``tokens``: the token IDs (u32) the cache was computed for;
 * the KVSP Compatibility Descriptor (JSON).
@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from adapters.numpy_kv import KvDestination, engine_dtype
+from kvcs.adapters.numpy_kv import KvDestination, engine_dtype
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 
 _SAFETENSORS_DTYPE = {
@@ -374,7 +374,7 @@ def save_layers(
     """Write a cache to exactly ``path`` (as :func:`save`), one layer of ``k`` and ``v``
     in memory at a time: ``k[layer]`` is asked for, written and dropped (a layer that
     is not C-contiguous is copied, that layer only). :func:`destination_layers` gives a
-    consumer's :class:`~adapters.numpy_kv.KvDestination` in this form.
+    consumer's :class:`~kvcs.adapters.numpy_kv.KvDestination` in this form.
 
     Raises:
         CacheFileError: the file cannot be written.

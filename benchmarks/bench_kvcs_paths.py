@@ -66,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from adapters.numpy_kv import KvDestination
+from kvcs.adapters.numpy_kv import KvDestination
+from kvcs.transports.loopback import Network
 from kvcs_core.kvcs._verify import check_object
 from kvcs_core.kvcs.consumer import KvcsConsumer
 from kvcs_core.kvcs.names import Component
@@ -76,7 +77,6 @@ from kvcs_core.kvsp import Codec, CompatibilityDescriptor
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.session import MoqtSession
-from transports.loopback import Network
 
 MIB = 1 << 20
 CODEC_RAW = int(Codec.RAW)

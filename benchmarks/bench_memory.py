@@ -5,7 +5,7 @@ Run from the repository root::
     python3 benchmarks/bench_memory.py [--mib 64] [--stack aioquic] [--order late|live]
         [--out] [--synthetic] [--timeout 300]
 
-A synthetic Llama-shaped cache (``adapters.cachefile.synthetic``: 32 layers, 8
+A synthetic Llama-shaped cache (``kvcs.adapters.cachefile.synthetic``: 32 layers, 8
 KV heads, head_dim 128, bfloat16, 16-token blocks, 128 KiB of K+V per token) of
 ``--mib`` MiB is written to a temporary ``.npz`` file by a child process; then
 three processes run the CLI on 127.0.0.1, as a user runs them:
@@ -56,20 +56,20 @@ SCOPE_HEX = "6b" * 32
 
 _WRITE = """
 import sys
-from adapters.cachefile import llama_descriptor, save, synthetic
+from kvcs.adapters.cachefile import llama_descriptor, save, synthetic
 save(sys.argv[1], synthetic(llama_descriptor(), int(sys.argv[2]), 1))
 """
 
 
 class Proc:
-    """``python -m transports.cli ARGS``: stdout lines read without blocking, rusage kept."""
+    """``python -m kvcs.transports.cli ARGS``: stdout lines read without blocking, rusage kept."""
 
     def __init__(self, name: str, args: list[str], tmp: Path) -> None:
         self.name = name
         self.err_path = tmp / f"{name}.err"
         with self.err_path.open("wb") as err:
             self.p = subprocess.Popen(
-                [sys.executable, "-m", "transports.cli", *args],
+                [sys.executable, "-m", "kvcs", *args],
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

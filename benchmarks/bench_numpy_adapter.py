@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from adapters import numpy_kv as nk
+from kvcs.adapters import numpy_kv as nk
 from kvcs_core.kvsp import CompatibilityDescriptor, q8_decode, q8_size
 
 

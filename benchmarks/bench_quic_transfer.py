@@ -6,7 +6,7 @@ Run from the repository root::
         [--datagram-sizes default,16000] [--repeat R] [--start subscribed|together]
         [--timeout S] [--profile ROLE ...] [--top K]
 
-The cache is a synthetic Llama-shaped one (``adapters.cachefile.synthetic``: 32
+The cache is a synthetic Llama-shaped one (``kvcs.adapters.cachefile.synthetic``: 32
 layers, 8 KV heads, head_dim 128, bfloat16, 16-token blocks: 32 KiB per
 Object, 128 KiB of K+V per token): ``--mib 256`` (the default) is 2048 tokens,
 8192 Objects. ``--mib`` scales the token count (2 MiB steps) for quicker runs.
@@ -17,7 +17,7 @@ one) two transfers run, in this order, R times:
 
 * **kvcs**, three processes: a relay (``kvcs relay --listen 127.0.0.1:0
   --self-signed``, the CLI), a producer and a consumer (worker modes of this
-  file, written against :mod:`transports.quic.asyncio_binding` as ``kvcs
+  file, written against :mod:`kvcs.transports.quic.asyncio_binding` as ``kvcs
   publish`` and ``kvcs fetch`` are). The producer connects and announces its
   publication (PUBLISH_NAMESPACE accepted), the consumer connects; then both
   get "go", the consumer first. The consumer starts its retrieval (discovery,
@@ -33,12 +33,12 @@ one) two transfers run, in this order, R times:
   serving the consumer (store and forward for that part).
 * **raw**: the same bytes (the same K/V sections in the same order) over ONE
   QUIC connection of the same stack, with the same ``QuicConfiguration``
-  (:func:`transports.quic.config.quic_configuration`: same datagram size,
+  (:func:`kvcs.transports.quic.config.quic_configuration`: same datagram size,
   windows, TLS), between two processes. The sender is the server, as the relay
   is towards a consumer (qh3 servers do no path MTU discovery, so at the
   default size qh3 sends 1280-byte datagrams from a server, up to 1472 from a
   client): it drives the stack's sans-I/O ``QuicConnection`` from a plain
-  ``selectors`` loop on the same batched UDP socket (:mod:`transports.quic.udp`),
+  ``selectors`` loop on the same batched UDP socket (:mod:`kvcs.transports.quic.udp`),
   one unidirectional stream per (layer, K or V), written in 32 KiB pieces with
   at most 1 MiB written but not yet sent (the kvcs pump's bound), up to 8
   write-and-send rounds per wake-up (as ``QuicEndpoint.service``). The
@@ -90,7 +90,7 @@ cache per process) adding a few seconds per transfer outside the clocks.
 repeatable) runs that process under ``python -m cProfile`` (slower: the
 goodput of that run is then not representative) and prints its top ``--top``
 functions by own time and its own time summed per component (QUIC stack,
-``transports.quic``, ``kvcs_core`` packages, syscalls, waiting).
+``kvcs.transports.quic``, ``kvcs_core`` packages, syscalls, waiting).
 """
 
 from __future__ import annotations
@@ -118,17 +118,17 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from adapters.cachefile import CacheFile, llama_descriptor, synthetic  # noqa: E402
-from adapters.numpy_kv import KvDestination, layer_sections  # noqa: E402
+from kvcs.adapters.cachefile import CacheFile, llama_descriptor, synthetic  # noqa: E402
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections  # noqa: E402
+from kvcs.transports.quic import asyncio_binding as b  # noqa: E402
+from kvcs.transports.quic.config import quic_configuration  # noqa: E402
+from kvcs.transports.quic.stack import load_stack  # noqa: E402
+from kvcs.transports.quic.tls import TlsConfig, self_signed  # noqa: E402
+from kvcs.transports.quic.udp import UdpSocket  # noqa: E402
 from kvcs_core.kvcs.consumer import ConsumerConfig  # noqa: E402
 from kvcs_core.kvcs.publisher import AttachState  # noqa: E402
 from kvcs_core.kvsp import CompatibilityDescriptor  # noqa: E402
 from kvcs_core.moqt import events as ev  # noqa: E402
-from transports.quic import asyncio_binding as b  # noqa: E402
-from transports.quic.config import quic_configuration  # noqa: E402
-from transports.quic.stack import load_stack  # noqa: E402
-from transports.quic.tls import TlsConfig, self_signed  # noqa: E402
-from transports.quic.udp import UdpSocket  # noqa: E402
 
 MIB = 1 << 20
 TARGET = 0.85
@@ -236,7 +236,7 @@ class StdinLines:
 
 
 def udp_port(client: Any) -> int:
-    """The local UDP port of a client of :mod:`transports.quic.asyncio_binding`."""
+    """The local UDP port of a client of :mod:`kvcs.transports.quic.asyncio_binding`."""
     return int(client.driver.udp.address[1])
 
 
@@ -790,7 +790,7 @@ def run_kvcs(
 ) -> dict[str, Any]:
     procs: list[Proc] = []
     try:
-        relay_cmd = [sys.executable, "-m", "transports.cli", "relay", "--listen", "127.0.0.1:0"]
+        relay_cmd = [sys.executable, "-m", "kvcs", "relay", "--listen", "127.0.0.1:0"]
         relay_cmd += ["--self-signed", "--json", "--stack", stack]
         if dgram is not None:
             relay_cmd += ["--datagram-size", str(dgram)]
@@ -885,7 +885,7 @@ COMPONENTS = (
     ("/aioquic/", "aioquic (Python)"),
     ("/qh3/", "qh3 (Python)"),
     ("qh3", "qh3 (native)"),
-    ("transports/quic", "transports.quic"),
+    ("transports/quic", "kvcs.transports.quic"),
     ("kvcs_core/wire", "kvcs_core.wire"),
     ("kvcs_core/moqt", "kvcs_core.moqt"),
     ("kvcs_core/relay", "kvcs_core.relay"),

@@ -8,7 +8,7 @@ Run from the repository root::
         [--runs-consecutive N] [--json FILE]
 
 Every process is a separate one, over real QUIC on 127.0.0.1. The cache is the
-synthetic Llama-shaped one (``adapters.cachefile.synthetic``: 8 KV heads,
+synthetic Llama-shaped one (``kvcs.adapters.cachefile.synthetic``: 8 KV heads,
 head_dim 128, bfloat16, 16-token blocks, 32 KiB sections; ``--layers`` 32 and
 ``--mib`` 256 by default, in steps of one block of every layer).
 
@@ -33,7 +33,7 @@ Figures per configuration (MB = 10**6 bytes):
 * **vs raw**: against a raw pipeline of the same stack and the same hops,
   sender -> forwarder [-> forwarder] -> receiver, each a process driving the
   stack's sans-I/O connection on the project's UDP socket
-  (:mod:`transports.quic.udp`, what kvcs uses): the sender writes every
+  (:mod:`kvcs.transports.quic.udp`, what kvcs uses): the sender writes every
   (layer, K or V) on its own stream in 32 KiB pieces (at most 1 MiB written and
   unsent, the kvcs pump's bound), each forwarder writes every stream's data on
   to the next hop as it reads it, the receiver places it in a buffer touched
@@ -105,12 +105,12 @@ from bench_quic_transfer import (  # noqa: E402  (shared worker plumbing)
     wait_event,
 )
 
-from adapters.cachefile import llama_descriptor, synthetic  # noqa: E402
+from kvcs.adapters.cachefile import llama_descriptor, synthetic  # noqa: E402
+from kvcs.transports.quic.config import quic_configuration  # noqa: E402
+from kvcs.transports.quic.stack import STACKS, StackUnavailable, load_stack  # noqa: E402
+from kvcs.transports.quic.tls import TlsConfig, self_signed  # noqa: E402
+from kvcs.transports.quic.udp import UdpSocket  # noqa: E402
 from kvcs_core.kvsp import CompatibilityDescriptor  # noqa: E402
-from transports.quic.config import quic_configuration  # noqa: E402
-from transports.quic.stack import STACKS, StackUnavailable, load_stack  # noqa: E402
-from transports.quic.tls import TlsConfig, self_signed  # noqa: E402
-from transports.quic.udp import UdpSocket  # noqa: E402
 
 MIB = 1 << 20
 SEED = 7
@@ -276,7 +276,7 @@ def mark_all(procs: list[Child]) -> None:
 
 
 def kvcs(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "transports.cli", *argv]
+    return [sys.executable, "-m", "kvcs", *argv]
 
 
 def transport_opts(args: argparse.Namespace, stack: str) -> list[str]:

@@ -7,7 +7,7 @@ Run from the repository root::
         [--profile live|fetch] [--top K]
 
 Two :class:`~kvcs_core.moqt.session.MoqtSession` machines (server = publisher,
-client = subscriber) are joined by one :class:`transports.loopback.Network`
+client = subscriber) are joined by one :class:`kvcs.transports.loopback.Network`
 link (default 1 ms one-way latency, 1 GB/s of virtual bandwidth, whole-write
 chunking). The track holds G groups (one per "layer") of N objects of BYTES
 each, an End of Group marker closing every group: by default 32 x 64 x 32 KiB
@@ -86,6 +86,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvcs.transports.loopback import Network
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.session import MoqtSession
@@ -93,7 +94,6 @@ from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import ObjectStatus
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
-from transports.loopback import Network
 
 THROUGHPUT_TARGET = 2.0
 """Session payload throughput / SHA-256 throughput: at least this."""

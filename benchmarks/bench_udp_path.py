@@ -6,13 +6,13 @@ Run from the repository root::
         [--stacks aioquic,qh3] [--datagram-sizes default] [--repeat R] [--skip-quic]
 
 Two parts, each figure printed beside its reference measured in the same run
-(the same path with ``KVCS_UDP_GSO=0``, see :mod:`transports.quic.udp`):
+(the same path with ``KVCS_UDP_GSO=0``, see :mod:`kvcs.transports.quic.udp`):
 
 * **raw UDP** over 127.0.0.1, per datagram size (``--udp-sizes``): a sender
   process writes ``--mib`` MiB in flushes of :data:`FLUSH` datagrams through
-  :class:`transports.quic.udp.UdpSocket` (with GSO: runs of up to 64 in one
+  :class:`kvcs.transports.quic.udp.UdpSocket` (with GSO: runs of up to 64 in one
   ``sendmsg``; without: one ``sendto`` each) to a receiver process reading
-  with :meth:`~transports.quic.udp.UdpSocket.recv_batch` (with GRO: coalesced
+  with :meth:`~kvcs.transports.quic.udp.UdpSocket.recv_batch` (with GRO: coalesced
   buffers split; without: one ``recvfrom`` each). The receiver acknowledges
   every 128 KiB and the sender keeps at most :data:`WINDOW` bytes
   unacknowledged, so the receive buffer never overflows and what is measured
@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_quic_transfer as bqt  # noqa: E402
 
-from transports.quic.udp import GSO_ENV, UdpSocket  # noqa: E402
+from kvcs.transports.quic.udp import GSO_ENV, UdpSocket  # noqa: E402
 
 MIB = 1 << 20
 FLUSH = 64

@@ -1,6 +1,6 @@
-"""Fuzz the cache-file readers (``adapters.cachefile.loads``): files are untrusted input.
+"""Fuzz the cache-file readers (``kvcs.adapters.cachefile.loads``): files are untrusted input.
 
-Invariant: any bytes give a :class:`~adapters.cachefile.CacheFile` that passes
+Invariant: any bytes give a :class:`~kvcs.adapters.cachefile.CacheFile` that passes
 ``check()`` or a ``CacheFileError``; any other exception is a bug (``kvcs
 publish --file`` would print a traceback). A file that loads also saves and
 loads back to the same descriptor, tokens and bits.
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from fuzzlib import fuzz_main
 
-from adapters.cachefile import CacheFile, CacheFileError, loads, save
+from kvcs.adapters.cachefile import CacheFile, CacheFileError, loads, save
 
 
 def check(data: bytes) -> None:

@@ -6,7 +6,7 @@ in the past after it fired, and every session it owns keeps to the transport rul
 
 A ``Relay`` owns one upstream session towards a publisher (a plain server session that
 serves two ``TrackStore``\\ s and announces their namespace) and up to three downstream
-client sessions, all on one deterministic loopback network (``transports.loopback``)
+client sessions, all on one deterministic loopback network (``kvcs.transports.loopback``)
 with zero latency. The first input byte chooses the cache budget (1 KiB to 8 MiB) and a
 request-rate limit; the rest is a sequence of operations, each one opcode byte
 ``kind | arg << 4`` plus the bytes it reads (a missing byte reads as 0):
@@ -66,6 +66,7 @@ from typing import Any
 
 from fuzzlib import fuzz_main
 
+from kvcs.transports.loopback import Livelock, Network
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.errors import LocalProtocolError
@@ -77,7 +78,6 @@ from kvcs_core.wire.codes import MAX_VI64, ObjectStatus, PublishDoneCode, Reques
 from kvcs_core.wire.errors import EncodeError
 from kvcs_core.wire.kvp import KeyValuePair
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
-from transports.loopback import Livelock, Network
 
 NS = TrackNamespace.of("kvcs-1", b"fuzz-relay")
 TRACKS = (FullTrackName(NS, b"t0"), FullTrackName(NS, b"t1"))

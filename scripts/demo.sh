@@ -8,5 +8,5 @@ if command -v kvcs >/dev/null 2>&1; then
     exec kvcs demo "$@"
 fi
 # pip put the console script in a directory that is not on PATH (e.g. ~/.local/bin)
-echo "note: 'kvcs' is not on PATH; running python3 -m transports.cli demo" >&2
-exec python3 -m transports.cli demo "$@"
+echo "note: 'kvcs' is not on PATH; running python3 -m kvcs demo" >&2
+exec python3 -m kvcs demo "$@"

@@ -104,10 +104,10 @@ for py in "${PYTHONS[@]}"; do
     if [ "$i" = 1 ]; then
         FIRST_PY="$PY"
         section "ruff check"
-        "$PY" -m ruff check kvcs_core transports adapters tests fuzz benchmarks
+        "$PY" -m ruff check kvcs kvcs_core transports adapters tests fuzz benchmarks
 
         section "mypy (strict on kvcs_core)"
-        "$PY" -m mypy kvcs_core transports adapters
+        "$PY" -m mypy kvcs_core kvcs
 
         section "interop peers: bash scripts/install_peers.sh (never fails the build)"
         bash scripts/install_peers.sh || echo "!! install_peers.sh failed: the interop tests will skip"

@@ -2,8 +2,8 @@
 
 * :class:`SourceCache`: a synthetic engine cache (HND ``[layers, kv_heads, tokens,
   head_dim]`` of raw bfloat16 bit patterns) and its per-layer K/V sections, made with
-  ``adapters.numpy_kv.layer_sections`` exactly as a publisher would.
-* :class:`World`: one loopback :class:`~transports.loopback.Network` (one virtual
+  ``kvcs.adapters.numpy_kv.layer_sections`` exactly as a publisher would.
+* :class:`World`: one loopback :class:`~kvcs.transports.loopback.Network` (one virtual
   clock) with any number of links, each a client session (the consumer side) and a
   server session (the publisher side). A server session is answered by
   :class:`~kvcs_core.kvcs.publisher.KvcsPublisher`\\ s attached to it and/or by a
@@ -27,7 +27,8 @@ import attrs
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from adapters.numpy_kv import KvDestination, LayerSections, layer_sections
+from kvcs.adapters.numpy_kv import KvDestination, LayerSections, layer_sections
+from kvcs.transports.loopback import Network
 from kvcs_core.kvcs.consumer import KvcsConsumer, RetrievalComplete
 from kvcs_core.kvcs.cose import sign_manifest
 from kvcs_core.kvcs.manifest import Manifest
@@ -39,7 +40,6 @@ from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import StoredObject, TrackStore
 from kvcs_core.wire.codes import ObjectStatus, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
-from transports.loopback import Network
 
 SCOPE_KEY = bytes(range(32))
 PRODUCER = Ed25519PrivateKey.from_private_bytes(b"\x11" * 32)

@@ -1,6 +1,6 @@
 """A loopback network of publishers, relays and subscribers for the relay tests.
 
-``RelayNet`` owns one :class:`~transports.loopback.Network`. Every link joins two
+``RelayNet`` owns one :class:`~kvcs.transports.loopback.Network`. Every link joins two
 sessions; a relay owns one session per link (``Relay.add_session``) and gets
 every event of those sessions through the network's ``on_event`` callback, as
 an embedding would do it. A :class:`Publisher` is a plain server session that
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvcs.transports.loopback import Chunking, Link, Livelock, LoopbackTimeout, Network
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.session import MoqtSession
@@ -25,7 +26,6 @@ from kvcs_core.relay import Relay, RelayConfig
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import ObjectStatus, PublishDoneCode, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
-from transports.loopback import Chunking, Link, Livelock, LoopbackTimeout, Network
 
 NS = TrackNamespace.of("relay-test", "pub-a")
 

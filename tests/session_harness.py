@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from kvcs.transports.loopback import Chunking, Link, Network
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.errors import LocalProtocolError
@@ -44,7 +45,6 @@ from kvcs_core.wire.names import (
     encode_track_name,
 )
 from kvcs_core.wire.varint import encode_vi64
-from transports.loopback import Chunking, Link, Network
 
 NS = TrackNamespace.of("kvcs-1", b"x" * 16)
 TRACK = FullTrackName(NS, b"k.raw.s0")

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from kvcs.transports.loopback import Chunking, Network
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.wire.codes import ObjectStatus, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
-from transports.loopback import Chunking, Network
 
 NS = TrackNamespace.of("kvcs-1", b"\x01" * 16, b"\x02" * 16)
 CHUNKINGS = {

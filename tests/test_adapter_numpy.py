@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters import numpy_kv as nk
+from kvcs.adapters import numpy_kv as nk
 from kvcs_core import kvsp
 from kvcs_core.kvcs.names import Component
 from kvcs_core.kvsp import (

@@ -1,4 +1,5 @@
-"""Cache files (``adapters.cachefile``): both formats round-trip; defects are one-line errors."""
+"""Cache files (``kvcs.adapters.cachefile``): both formats round-trip; defects are one-line
+errors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adapters.cachefile import (
+from kvcs.adapters.cachefile import (
     CacheFile,
     CacheFileError,
     CacheLayers,
@@ -29,7 +30,7 @@ from adapters.cachefile import (
     synthetic,
     synthetic_layers,
 )
-from adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
 
 SMALL = llama_descriptor(layers=2, kv_heads=2, head_dim=8, block_tokens=4)
 

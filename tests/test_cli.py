@@ -17,7 +17,7 @@ TIMEOUT = 120
 
 def kvcs(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "transports.cli", *args],
+        [sys.executable, "-m", "kvcs", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""``transports.quic.apps.ClientApp``: requests of the peer that nothing on the client answers.
+"""``kvcs.transports.quic.apps.ClientApp``: requests of the peer that nothing on the client answers.
 
 Regression (interop with the moq-rs server, tests/interop/): a server may send a
 client requests right after SETUP (moq-rs sends SUBSCRIBE_NAMESPACE and
@@ -15,11 +15,11 @@ from typing import Any
 
 from session_pair import Pair, track
 
+from kvcs.transports.quic.apps import ClientApp
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.wire.codes import RequestErrorCode
 from kvcs_core.wire.names import TrackNamespace
-from transports.quic.apps import ClientApp
 
 
 def wire(pair: Pair, app: ClientApp) -> None:

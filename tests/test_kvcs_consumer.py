@@ -972,8 +972,8 @@ def test_end_to_end_completed_kv_q8_into_destinations() -> None:
 
 
 def test_numpy_kv_destination_receives_the_data() -> None:
-    """``adapters.numpy_kv.KvDestination.buffer`` is a destinations callable as it is."""
-    numpy_kv = pytest.importorskip("adapters.numpy_kv")
+    """``kvcs.adapters.numpy_kv.KvDestination.buffer`` is a destinations callable as it is."""
+    numpy_kv = pytest.importorskip("kvcs.adapters.numpy_kv")
     pair = Pair()
     fx = Fixture().produce_all().serve(pair)
     cd = CompatibilityDescriptor(CD)

@@ -3,7 +3,7 @@
 Every consumer has its own client session to its own server session of the
 publisher (``KvcsPublisher.attach`` on each), all on one virtual clock; the
 consumers' timers are fired by ``kvcs_fixtures.World``. Data lands in
-``adapters.numpy_kv.KvDestination`` buffers and is compared bitwise (uint16 views of
+``kvcs.adapters.numpy_kv.KvDestination`` buffers and is compared bitwise (uint16 views of
 the bfloat16 bit patterns) with the source engine arrays.
 """
 
@@ -34,7 +34,7 @@ from kvcs_fixtures import (
     tampered_stores,
 )
 
-from adapters.numpy_kv import KvDestination
+from kvcs.adapters.numpy_kv import KvDestination
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
     DiscardReason,

@@ -18,6 +18,7 @@ import pytest
 from _vectors import load_vectors
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from kvcs.transports.loopback import Chunking, Network
 from kvcs_core import kvsp
 from kvcs_core.kvcs.cose import verify_manifest
 from kvcs_core.kvcs.manifest import Manifest, parse_manifest
@@ -43,7 +44,6 @@ from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import ObjectStatus, PublishDoneCode, RequestErrorCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
-from transports.loopback import Chunking, Network
 
 VEC = load_vectors("kvsp-vectors.json")
 SCOPE_KEY = bytes.fromhex(VEC["inputs"]["scope_key"])

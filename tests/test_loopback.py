@@ -16,6 +16,14 @@ from typing import Any
 import attrs
 import pytest
 
+from kvcs.transports.loopback import (
+    Chunking,
+    Livelock,
+    LoopbackError,
+    LoopbackTimeout,
+    Network,
+    Sent,
+)
 from kvcs_core.moqt.transport_io import (
     AbortKind,
     AbortStream,
@@ -31,14 +39,6 @@ from kvcs_core.moqt.transport_io import (
     TransportCommand,
     TransportEvent,
     WriteStream,
-)
-from transports.loopback import (
-    Chunking,
-    Livelock,
-    LoopbackError,
-    LoopbackTimeout,
-    Network,
-    Sent,
 )
 
 MiB = 1 << 20

@@ -15,6 +15,7 @@ from typing import Any
 from _vectors import load_vectors
 from relay_net import NS, RelayNet, Subscriber, payload, produce, track
 
+from kvcs.transports.loopback import Chunking
 from kvcs_core.kvcs.manifest import parse_manifest
 from kvcs_core.kvcs.names import Component
 from kvcs_core.kvcs.payload import VerifiedObject, verify_object
@@ -34,7 +35,6 @@ from kvcs_core.wire.codes import (
 )
 from kvcs_core.wire.kvp import KeyValuePair
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
-from transports.loopback import Chunking
 
 GROUPS, OBJECTS, SIZE = 6, 5, 256
 SMALL = 36_000

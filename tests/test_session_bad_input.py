@@ -43,6 +43,7 @@ from session_harness import (
     subscribe_bytes,
 )
 
+from kvcs.transports.loopback import Chunking
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.errors import LocalProtocolError
@@ -70,7 +71,6 @@ from kvcs_core.wire.codes import (
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
 from kvcs_core.wire.subgroup import SubgroupHeader, SubgroupObject, encode_subgroup_stream
 from kvcs_core.wire.varint import encode_vi64
-from transports.loopback import Chunking
 
 PV = SessionErrorCode.PROTOCOL_VIOLATION
 BAD_ID = SessionErrorCode.INVALID_REQUEST_ID

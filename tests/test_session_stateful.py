@@ -46,6 +46,7 @@ from hypothesis.stateful import (
 )
 from session_harness import SESSION_CODES, TRACK, Pair, World
 
+from kvcs.transports.loopback import Chunking
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.errors import LocalProtocolError
@@ -59,7 +60,6 @@ from kvcs_core.wire.codes import (
     RequestErrorCode,
     SessionErrorCode,
 )
-from transports.loopback import Chunking
 
 TIMEOUT_CODES = frozenset(
     {

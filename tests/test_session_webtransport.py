@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from session_pair import Pair
 
+from kvcs.transports.loopback import Network
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.wire.codes import SessionErrorCode
-from transports.loopback import Network
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,13 @@
 Everything here runs inside the loopback-only network namespace (conftest.py).
 
 * :class:`Peers` (a :class:`peerlib.PeerSet`): the peer scripts of tests/peers
-  (run by ``.peers/bin/python``) and our own ``python -m transports.cli ...``
+  (run by ``.peers/bin/python``) and our own ``python -m kvcs.transports.cli ...``
   processes, each a :class:`peerlib.Proc` whose JSON lines are parsed as they
   come; all stopped by PID when the test ends.
 * :class:`InprocRelay`: our relay (``serve_relay``) on 127.0.0.1 in a thread of
   the test process, recording the ALPN and the peer's MOQT_IMPLEMENTATION of
   every session it sets up, and any exception its event loop saw.
-* :class:`Plain`: our client session (``transports.quic`` ``MoqtClient``) used
+* :class:`Plain`: our client session (``kvcs.transports.quic`` ``MoqtClient``) used
   as plain MOQT: it records every session event and object and answers the
   peer's requests: SUBSCRIBE / FETCH / TRACK_STATUS of the tracks it holds
   (:class:`~kvcs_core.moqt.track_store.TrackStore`), SUBSCRIBE_NAMESPACE
@@ -40,17 +40,17 @@ sys.path.insert(0, str(ROOT / "tests" / "peers"))
 import peer_common  # noqa: E402
 from peerlib import PeerSet, Proc, free_udp_port, loopback_only, peers_missing  # noqa: E402
 
+from kvcs.transports.quic import asyncio_binding  # noqa: E402
+from kvcs.transports.quic._setup import client_endpoint, parse_url  # noqa: E402
+from kvcs.transports.quic.api import MoqtClient, open_session  # noqa: E402
+from kvcs.transports.quic.apps import ClientApp  # noqa: E402
+from kvcs.transports.quic.tls import TlsConfig, self_signed  # noqa: E402
 from kvcs_core.moqt import events as ev  # noqa: E402
 from kvcs_core.moqt.requests import RequestState  # noqa: E402
 from kvcs_core.moqt.session import MoqtSession  # noqa: E402
 from kvcs_core.moqt.track_store import TrackStore  # noqa: E402
 from kvcs_core.wire.codes import ObjectStatus, PublishDoneCode, RequestErrorCode  # noqa: E402
 from kvcs_core.wire.names import FullTrackName, TrackNamespace  # noqa: E402
-from transports.quic import asyncio_binding  # noqa: E402
-from transports.quic._setup import client_endpoint, parse_url  # noqa: E402
-from transports.quic.api import MoqtClient, open_session  # noqa: E402
-from transports.quic.apps import ClientApp  # noqa: E402
-from transports.quic.tls import TlsConfig, self_signed  # noqa: E402
 
 __all__ = [
     "ALPN",
@@ -103,8 +103,8 @@ class Peers(PeerSet):
     """The peer scripts plus our own CLI processes, all stopped by PID at the end."""
 
     def kvcs(self, name: str, *args: str) -> Proc:
-        """``python3 -m transports.cli ARGS`` (JSON lines parsed like a peer's)."""
-        proc = Proc(name, [sys.executable, "-m", "transports.cli", *args], self.tmp)
+        """``python3 -m kvcs ARGS`` (JSON lines parsed like a peer's)."""
+        proc = Proc(name, [sys.executable, "-m", "kvcs", *args], self.tmp)
         self.procs.append(proc)
         return proc
 

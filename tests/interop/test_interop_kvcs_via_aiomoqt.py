@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from interop_harness import proc_event, proc_exit, run
 
-from adapters.cachefile import llama_descriptor, load, synthetic
+from kvcs.adapters.cachefile import llama_descriptor, load, synthetic
 
 SCOPE_HEX = "5a" * 32
 LAYERS, HEADS, DIM, TOKENS, BLOCK, SEED = 6, 8, 128, 512, 64, 7

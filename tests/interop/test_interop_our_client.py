@@ -1,6 +1,6 @@
 """Our client against their relay and server, over QUIC on loopback, draft 22.
 
-Our side: ``transports.quic`` ``connect()`` in this process, its session used as
+Our side: ``kvcs.transports.quic`` ``connect()`` in this process, its session used as
 plain MOQT (:class:`~interop_harness.Plain`): PUBLISH_NAMESPACE and answering
 SUBSCRIBE / FETCH from a :class:`~kvcs_core.moqt.track_store.TrackStore`,
 PUBLISH_DONE (TRACK_ENDED), SUBSCRIBE, FETCH, SUBSCRIBE_NAMESPACE. Their side:

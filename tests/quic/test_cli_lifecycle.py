@@ -36,8 +36,8 @@ from test_cli_processes import (
 )
 from test_lifecycle import _closing_server
 
-from transports.quic import asyncio_binding
-from transports.quic.tls import self_signed
+from kvcs.transports.quic import asyncio_binding
+from kvcs.transports.quic.tls import self_signed
 
 
 @pytest.fixture
@@ -51,9 +51,9 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 _WITH_CTRL_C = (
     "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "sys.argv[0] = 'kvcs'; runpy.run_module('transports.cli', run_name='__main__')"
+    "sys.argv[0] = 'kvcs'; runpy.run_module('kvcs.transports.cli', run_name='__main__')"
 )
-"""``python -m transports.cli`` with SIGINT handled as at a terminal (a process started
+"""``python -m kvcs.transports.cli`` with SIGINT handled as at a terminal (a process started
 from a non-interactive shell's background job inherits SIGINT ignored)."""
 
 

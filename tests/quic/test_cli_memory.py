@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from adapters.cachefile import llama_descriptor, save, synthetic
+from kvcs.adapters.cachefile import llama_descriptor, save, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -57,7 +57,7 @@ class Proc:
         self.err = tmp / f"{name}.err"
         with self.err.open("wb") as err:
             self.p = subprocess.Popen(
-                [sys.executable, "-m", "transports.cli", *args],
+                [sys.executable, "-m", "kvcs", *args],
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

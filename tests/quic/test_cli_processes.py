@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from transports.quic.tls import self_signed
+from kvcs.transports.quic.tls import self_signed
 
 ROOT = Path(__file__).resolve().parents[2]
 SCOPE_HEX = "5a" * 32
@@ -50,11 +50,11 @@ class Procs:
         self.running: list[tuple[str, subprocess.Popen[str]]] = []
 
     def start(self, name: str, *args: str) -> subprocess.Popen[str]:
-        """``python -m transports.cli ARGS``; stdout piped, stderr to ``<name>.err``."""
+        """``python -m kvcs.transports.cli ARGS``; stdout piped, stderr to ``<name>.err``."""
         err = (self.tmp / f"{name}.err").open("w")
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "transports.cli", *args],
+                [sys.executable, "-m", "kvcs", *args],
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -132,7 +132,7 @@ def read_line(proc: subprocess.Popen[str], timeout: float, what: str) -> str:
 
 def kvcs(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "transports.cli", *args],
+        [sys.executable, "-m", "kvcs", *args],
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
         capture_output=True,

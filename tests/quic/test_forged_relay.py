@@ -40,8 +40,10 @@ import attrs
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from adapters.cachefile import llama_descriptor, synthetic
-from adapters.numpy_kv import layer_sections
+from kvcs.adapters.cachefile import llama_descriptor, synthetic
+from kvcs.adapters.numpy_kv import layer_sections
+from kvcs.transports.quic import asyncio_binding as b
+from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.names import Component
 from kvcs_core.kvcs.payload import (
     HEADER_LEN,
@@ -53,8 +55,6 @@ from kvcs_core.kvcs.payload import (
 from kvcs_core.kvcs.publisher import ManifestSigner
 from kvcs_core.moqt import events as ev
 from kvcs_core.wire.codes import ObjectStatus
-from transports.quic import asyncio_binding as b
-from transports.quic.tls import TlsConfig, self_signed
 
 ROOT = Path(__file__).resolve().parents[2]
 SCOPE_HEX = "5a" * 32
@@ -157,7 +157,7 @@ async def _scenario(tmp: Path) -> tuple[int, list[dict[str, Any]], str, list[Any
             ]
             err = (tmp / "fetch.err").open("w")
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "transports.cli", "fetch", forger.url,
+                sys.executable, "-m", "kvcs", "fetch", forger.url,
                 "--also", honest.url, "--ca", str(tls.cafile), "--producer-key", str(pem),
                 "--json", "--fetch-timeout", "60", "--stall-timeout", str(STALL), *CACHE,
                 cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

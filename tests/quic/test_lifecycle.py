@@ -29,21 +29,21 @@ import pytest
 import trio
 from test_quic_inprocess import _until
 
-from adapters.cachefile import CacheFile, llama_descriptor, synthetic
-from adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.cachefile import CacheFile, llama_descriptor, synthetic
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.transports.quic import asyncio_binding, trio_binding
+from kvcs.transports.quic._setup import relay_endpoint
+from kvcs.transports.quic.api import CachePublication, ConnectError, MoqtClient
+from kvcs.transports.quic.apps import RelayApp
+from kvcs.transports.quic.config import quic_configuration
+from kvcs.transports.quic.endpoint import CONNECTION_REFUSED, QuicEndpoint
+from kvcs.transports.quic.groups import single_errors, sole
+from kvcs.transports.quic.pump import SessionPump, keepalive_interval
+from kvcs.transports.quic.reconnect import Backoff
+from kvcs.transports.quic.stack import load_stack
+from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.moqt import events as ev
 from kvcs_core.wire.names import TrackNamespace
-from transports.quic import asyncio_binding, trio_binding
-from transports.quic._setup import relay_endpoint
-from transports.quic.api import CachePublication, ConnectError, MoqtClient
-from transports.quic.apps import RelayApp
-from transports.quic.config import quic_configuration
-from transports.quic.endpoint import CONNECTION_REFUSED, QuicEndpoint
-from transports.quic.groups import single_errors, sole
-from transports.quic.pump import SessionPump, keepalive_interval
-from transports.quic.reconnect import Backoff
-from transports.quic.stack import load_stack
-from transports.quic.tls import TlsConfig, self_signed
 
 SCOPE_KEY = bytes(range(32))
 LAYERS = 4

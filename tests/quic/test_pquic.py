@@ -48,11 +48,11 @@ from test_quic_inprocess import (
     tls,
 )
 
-from adapters.numpy_kv import KvDestination, layer_sections
-from transports.quic import asyncio_binding, pquic_binding, trio_binding
-from transports.quic.pump import DEFAULT_MAX_UNSENT
-from transports.quic.stack import StackUnavailable, load_stack
-from transports.quic.tls import TlsConfig
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.transports.quic import asyncio_binding, pquic_binding, trio_binding
+from kvcs.transports.quic.pump import DEFAULT_MAX_UNSENT
+from kvcs.transports.quic.stack import StackUnavailable, load_stack
+from kvcs.transports.quic.tls import TlsConfig
 
 __all__ = ["procs", "tls"]  # fixtures
 
@@ -87,7 +87,7 @@ def test_publish_through_pquic_relay_live_and_late_consumers(tls: TlsConfig) -> 
 def test_pquic_with_other_stacks(relay_stack: str, client_stack: str, tls: TlsConfig) -> None:
     """A pquic relay serves aioquic and qh3 clients; pquic clients use an aioquic relay.
     (A pquic client and a qh3 relay: see the report in the module doc of
-    :mod:`transports.quic.pquic_binding`.)"""
+    :mod:`kvcs.transports.quic.pquic_binding`.)"""
     _run(
         "asyncio",
         lambda: _publish_to_consumers(asyncio_binding, client_stack, tls, relay_stack),

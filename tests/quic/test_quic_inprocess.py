@@ -28,8 +28,11 @@ import trio
 from aioquic.asyncio import serve
 from aioquic.quic.configuration import QuicConfiguration
 
-from adapters.cachefile import CacheFile, llama_descriptor, synthetic
-from adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.cachefile import CacheFile, llama_descriptor, synthetic
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.transports.quic import asyncio_binding, trio_binding
+from kvcs.transports.quic.api import ConnectError, MoqtClient
+from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.consumer import ManifestAccepted, PublicationSelected
 from kvcs_core.kvcs.names import KVCS_NAMESPACE_TAG
 from kvcs_core.moqt import events as ev
@@ -37,9 +40,6 @@ from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import ObjectStatus, PublishDoneCode
 from kvcs_core.wire.names import FullTrackName, Location, TrackNamespace
-from transports.quic import asyncio_binding, trio_binding
-from transports.quic.api import ConnectError, MoqtClient
-from transports.quic.tls import TlsConfig, self_signed
 
 SCOPE_KEY = bytes(range(32))
 LAYERS = 6
@@ -204,7 +204,7 @@ def test_relay_and_clients_on_different_stacks(
 ) -> None:
     """Interop between the two stacks; trio, where an exception escaping the endpoint
     would end the relay (qh3's server raised in ``datagrams_to_send`` with every
-    aioquic client before :func:`transports.quic.stack._qh3_datagrams`)."""
+    aioquic client before :func:`kvcs.transports.quic.stack._qh3_datagrams`)."""
     _run("trio", lambda: _publish_to_consumers(trio_binding, client_stack, tls, relay_stack))
 
 

@@ -21,17 +21,17 @@ from typing import Any
 import attrs
 import pytest
 
+from kvcs.transports.quic import asyncio_binding as b
+from kvcs.transports.quic._setup import client_configuration, client_session_config
+from kvcs.transports.quic.config import parse_url, quic_configuration
+from kvcs.transports.quic.endpoint import QuicEndpoint
+from kvcs.transports.quic.pump import SessionPump
+from kvcs.transports.quic.stack import load_stack
+from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.wire.codes import SessionErrorCode
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
-from transports.quic import asyncio_binding as b
-from transports.quic._setup import client_configuration, client_session_config
-from transports.quic.config import parse_url, quic_configuration
-from transports.quic.endpoint import QuicEndpoint
-from transports.quic.pump import SessionPump
-from transports.quic.stack import load_stack
-from transports.quic.tls import TlsConfig, self_signed
 
 try:
     import qh3  # noqa: F401

@@ -33,11 +33,11 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapters.cachefile import llama_descriptor, synthetic
-from adapters.numpy_kv import KvDestination, layer_sections
-from transports.quic import asyncio_binding, trio_binding, udp
-from transports.quic.tls import TlsConfig, self_signed
-from transports.quic.udp import (
+from kvcs.adapters.cachefile import llama_descriptor, synthetic
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.transports.quic import asyncio_binding, trio_binding, udp
+from kvcs.transports.quic.tls import TlsConfig, self_signed
+from kvcs.transports.quic.udp import (
     GSO_MAX_BYTES,
     GSO_MAX_SEGMENTS,
     MAX_PENDING,

@@ -20,12 +20,12 @@ from aioquic.h3.connection import H3Connection
 from aioquic.h3.events import HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 
-from adapters.cachefile import llama_descriptor, synthetic
-from adapters.numpy_kv import KvDestination, layer_sections
-from transports.quic import asyncio_binding, trio_binding
-from transports.quic.stack import load_stack
-from transports.quic.tls import TlsConfig, self_signed
-from transports.quic.webtransport import http_to_wt, wt_to_http
+from kvcs.adapters.cachefile import llama_descriptor, synthetic
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.transports.quic import asyncio_binding, trio_binding
+from kvcs.transports.quic.stack import load_stack
+from kvcs.transports.quic.tls import TlsConfig, self_signed
+from kvcs.transports.quic.webtransport import http_to_wt, wt_to_http
 
 CACHE = synthetic(llama_descriptor(layers=3, kv_heads=2, head_dim=16), tokens=48, seed=4)
 SCOPE = bytes(range(32))

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
-from adapters.cachefile import file_kind
+from kvcs.adapters.cachefile import file_kind
 from kvcs_core.wire.codes import ALPN
 
 from . import commands, demo

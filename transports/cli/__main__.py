@@ -1,7 +1,7 @@
-"""``python -m transports.cli``: the same as the ``kvcs`` command."""
+"""``python -m kvcs.transports.cli``: the same as the ``kvcs`` command."""
 
 import sys
 
-from transports.cli import main
+from kvcs.transports.cli import main
 
 sys.exit(main())

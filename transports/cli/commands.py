@@ -1,7 +1,7 @@
 """``kvcs relay``, ``kvcs publish``, ``kvcs fetch`` and ``kvcs ls``.
 
 Each command is one coroutine written against a binding module
-(:mod:`transports.quic.asyncio_binding` or :mod:`transports.quic.trio_binding`,
+(:mod:`kvcs.transports.quic.asyncio_binding` or :mod:`kvcs.transports.quic.trio_binding`,
 chosen by ``--loop``), so every command runs on either loop. Output for people
 goes to stdout (and progress bars to stderr on a terminal); ``--json`` prints one
 JSON object per line instead, for scripts.
@@ -25,7 +25,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
-from adapters.cachefile import (
+from kvcs.adapters.cachefile import (
     CacheFileError,
     CacheLayers,
     check_out_path,
@@ -33,7 +33,11 @@ from adapters.cachefile import (
     same_bits,
     save_layers,
 )
-from adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.transports.quic.api import CacheRetrieval, ConnectError
+from kvcs.transports.quic.config import parse_hostport
+from kvcs.transports.quic.reconnect import DEFAULT_BACKOFF
+from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
     ManifestRejectReason,
@@ -46,10 +50,6 @@ from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError
 from kvcs_core.moqt import events as ev
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.wire.names import TrackNamespace
-from transports.quic.api import CacheRetrieval, ConnectError
-from transports.quic.config import parse_hostport
-from transports.quic.reconnect import DEFAULT_BACKOFF
-from transports.quic.tls import TlsConfig, self_signed
 
 from .common import (
     DEFAULT_KID,

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from adapters.cachefile import (
+from kvcs.adapters.cachefile import (
     CacheFileError,
     CacheLayers,
     file_kind,
@@ -25,13 +25,13 @@ from adapters.cachefile import (
     open_layers,
     synthetic_layers,
 )
+from kvcs.transports.quic import asyncio_binding, trio_binding
+from kvcs.transports.quic.api import ConnectError
+from kvcs.transports.quic.config import DEFAULT_IDLE_TIMEOUT, UrlError
+from kvcs.transports.quic.groups import single_errors
+from kvcs.transports.quic.stack import DEFAULT_STACK, STACKS, StackUnavailable
+from kvcs.transports.quic.tls import TlsConfig, TlsError
 from kvcs_core.wire.names import TrackNamespace
-from transports.quic import asyncio_binding, trio_binding
-from transports.quic.api import ConnectError
-from transports.quic.config import DEFAULT_IDLE_TIMEOUT, UrlError
-from transports.quic.groups import single_errors
-from transports.quic.stack import STACKS, StackUnavailable
-from transports.quic.tls import TlsConfig, TlsError
 
 log = logging.getLogger("kvcs.cli")
 
@@ -73,7 +73,7 @@ DEFAULT_SCOPE_KEY = bytes(32)
 
 def add_transport_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transport")
-    g.add_argument("--stack", choices=STACKS, default="aioquic", help="QUIC implementation")
+    g.add_argument("--stack", choices=STACKS, default=DEFAULT_STACK, help=f"QUIC implementation (default {DEFAULT_STACK})")
     g.add_argument(
         "--loop", choices=("asyncio", "trio"), default="asyncio", help="event loop to run on"
     )
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace, main: Callable[[ModuleType], Awaitable[int]]) 
     b = binding(args)
     try:
         if args.loop == "trio":
-            with single_errors():  # trio >= 0.25 groups every error (transports.quic.groups)
+            with single_errors():  # trio >= 0.25 groups every error (kvcs.transports.quic.groups)
                 return int(trio.run(main, b))
         return asyncio.run(main(b))  # type: ignore[arg-type]
     except CliError as exc:

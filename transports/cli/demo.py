@@ -40,11 +40,11 @@ from typing import Any
 
 import attrs
 
-from adapters.cachefile import CacheFile, llama_descriptor, same_bits, synthetic
-from adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.cachefile import CacheFile, llama_descriptor, same_bits, synthetic
+from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.transports.quic.api import CacheRetrieval, MoqtClient
+from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.consumer import ManifestAccepted, ObjectDiscarded, PublicationSelected
-from transports.quic.api import CacheRetrieval, MoqtClient
-from transports.quic.tls import TlsConfig, self_signed
 
 from .common import CliError, Exit, Progress
 
@@ -144,7 +144,7 @@ async def relay_url(b: ModuleType, args: argparse.Namespace) -> AsyncIterator[st
     cmd = [
         sys.executable,
         "-m",
-        "transports.cli",
+        "kvcs",
         "relay",
         "--listen",
         "127.0.0.1:0",

@@ -22,6 +22,7 @@ from .apps import ClientApp
 from .config import DEFAULT_IDLE_TIMEOUT, parse_hostport
 from .endpoint import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_ADDRESS, QuicEndpoint
 from .reconnect import DEFAULT_BACKOFF, Backoff
+from .stack import DEFAULT_STACK
 from .tls import TlsConfig
 
 OpenEndpoint = Callable[[QuicEndpoint, str, int], AbstractAsyncContextManager[Any]]
@@ -35,7 +36,7 @@ async def relay_server(
     listen: str = "127.0.0.1:4443",
     *,
     tls: TlsConfig,
-    stack: str = "aioquic",
+    stack: str = DEFAULT_STACK,
     relay_config: RelayConfig | None = None,
     upstream: str | None = None,
     upstream_tls: TlsConfig | None = None,
@@ -51,7 +52,7 @@ async def relay_server(
     (``serve_relay`` of a binding).
 
     Options: ``tls`` (required: a :class:`~.tls.TlsConfig` with a certificate),
-    ``stack`` (``"aioquic"`` or ``"qh3"``), ``relay_config``, ``upstream`` (a parent
+    ``stack`` (``"qh3"``, the default, ``"aioquic"`` or ``"pquic"``), ``relay_config``, ``upstream`` (a parent
     relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
     ``max_connections`` (default 256) and ``max_connections_per_address`` (default
     32; handshakes over either are refused at once with CONNECTION_REFUSED, see
@@ -103,7 +104,7 @@ async def client_session(
     url: str,
     *,
     tls: TlsConfig | None = None,
-    stack: str = "aioquic",
+    stack: str = DEFAULT_STACK,
     timeout: float = 10.0,
     max_datagram_size: int | None = None,
     via: MoqtClient | None = None,

@@ -1,0 +1,7 @@
+"""``python -m kvcs``: the same as the ``kvcs`` command."""
+
+import sys
+
+from kvcs.transports.cli import main
+
+sys.exit(main())
