@@ -474,6 +474,14 @@ class SessionPump:
         if self.terminated:  # it had ended already (e.g. qh3: "connection is closed")
             log.debug("%s: after its end, %s raised: %s", self.label, what, exc)
             return
+        try:
+            closed = self.stack.close_event(self.quic)
+        except Exception:
+            closed = None
+        if closed is not None:  # the peer (or the stack) closed it: that is the end, not exc
+            log.debug("%s: %s raised after the connection closed: %s", self.label, what, exc)
+            self._on_terminated(closed, now)
+            return
         log.warning("%s: QUIC stack error in %s: %s; connection dropped", self.label, what, exc)
         if self.close_reason is None:
             self.close_reason = f"QUIC stack error: {exc}"

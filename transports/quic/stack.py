@@ -90,6 +90,11 @@ class QuicStack:
     bidi_credit: Callable[[Any], int | None] = attrs.field(default=lambda conn: None)
     """``(connection) -> bidirectional streams the peer allows us in total`` (its
     cumulative MAX_STREAMS), ``None`` where the stack does not tell."""
+    close_event: Callable[[Any], Any] = attrs.field(default=lambda conn: None)
+    """``(connection) -> ConnectionTerminated | None``: how the connection has ended, once
+    the stack knows it, even before it reports the end as an event. qh3 refuses every
+    write ("connection is closed") from the moment it reads the peer's CONNECTION_CLOSE,
+    but emits ``ConnectionTerminated`` only when its draining period is over."""
     h3_connection: Callable[..., Any] | None = None
     """The stack's ``H3Connection`` (for WebTransport), ``None`` if it has none."""
     h3_events: ModuleType | None = None
@@ -108,6 +113,13 @@ def _aioquic_unsent(conn: Any, stream_id: int) -> int:
 
 def _qh3_unsent(conn: Any, stream_id: int) -> int:
     return int(conn.get_send_buffer_size(stream_id))
+
+
+def _close_event(conn: Any) -> Any:
+    """The connection's pending ``ConnectionTerminated`` (aioquic and qh3 both keep it in
+    ``_close_event``), ``None`` while it is open or where the stack does not tell."""
+    event = getattr(conn, "_close_event", None)
+    return event if hasattr(event, "error_code") else None
 
 
 def _aioquic_bidi_credit(conn: Any) -> int | None:
@@ -266,6 +278,7 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         unsent_bytes=unsent,
         datagrams_to_send=datagrams,
         bidi_credit=credit,
+        close_event=_close_event,
         h3_connection=h3_mod.H3Connection if h3_mod is not None else None,
         h3_events=h3_events_mod,
     )
