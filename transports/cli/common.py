@@ -73,7 +73,12 @@ DEFAULT_SCOPE_KEY = bytes(32)
 
 def add_transport_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transport")
-    g.add_argument("--stack", choices=STACKS, default=DEFAULT_STACK, help=f"QUIC implementation (default {DEFAULT_STACK})")
+    g.add_argument(
+        "--stack",
+        choices=STACKS,
+        default=DEFAULT_STACK,
+        help=f"QUIC implementation (default {DEFAULT_STACK})",
+    )
     g.add_argument(
         "--loop", choices=("asyncio", "trio"), default="asyncio", help="event loop to run on"
     )

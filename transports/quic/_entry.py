@@ -52,8 +52,8 @@ async def relay_server(
     (``serve_relay`` of a binding).
 
     Options: ``tls`` (required: a :class:`~.tls.TlsConfig` with a certificate),
-    ``stack`` (``"qh3"``, the default, ``"aioquic"`` or ``"pquic"``), ``relay_config``, ``upstream`` (a parent
-    relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
+    ``stack`` (``"qh3"``, the default, ``"aioquic"`` or ``"pquic"``), ``relay_config``,
+    ``upstream`` (a parent relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
     ``max_connections`` (default 256) and ``max_connections_per_address`` (default
     32; handshakes over either are refused at once with CONNECTION_REFUSED, see
     :mod:`.endpoint`), ``timeout`` (for the upstream session, and each attempt to
