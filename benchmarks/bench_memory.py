@@ -57,6 +57,7 @@ SCOPE_HEX = "6b" * 32
 _WRITE = """
 import sys
 from kvcs.adapters.cachefile import llama_descriptor, save, synthetic
+from kvcs.transports.quic.stack import DEFAULT_STACK
 save(sys.argv[1], synthetic(llama_descriptor(), int(sys.argv[2]), 1))
 """
 
@@ -230,7 +231,7 @@ def idle(args: argparse.Namespace, tmp: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--mib", type=int, default=64, help="cache size (default 64)")
-    ap.add_argument("--stack", default="aioquic", help="QUIC stack (default aioquic)")
+    ap.add_argument("--stack", default=DEFAULT_STACK, help=f"QUIC stack (default {DEFAULT_STACK})")
     ap.add_argument("--order", choices=("late", "live"), default="late")
     ap.add_argument("--out", action="store_true", help="the consumer also writes --out")
     ap.add_argument("--synthetic", action="store_true", help="the producer makes the cache")
