@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from kvcs.transports.quic.stack import DEFAULT_STACK
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 PER_TOKEN = 2 * 32 * 8 * 128 * 2
@@ -57,7 +59,6 @@ SCOPE_HEX = "6b" * 32
 _WRITE = """
 import sys
 from kvcs.adapters.cachefile import llama_descriptor, save, synthetic
-from kvcs.transports.quic.stack import DEFAULT_STACK
 save(sys.argv[1], synthetic(llama_descriptor(), int(sys.argv[2]), 1))
 """
 

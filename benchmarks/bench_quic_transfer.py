@@ -1011,7 +1011,9 @@ def measure(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="cache size in MiB (default 256)")
-    ap.add_argument("--stacks", default="qh3,aioquic", help="comma-separated QUIC stacks (qh3, the default stack, first)")
+    ap.add_argument(
+        "--stacks", default="qh3,aioquic", help="comma-separated QUIC stacks (default stack first)"
+    )
     ap.add_argument(
         "--datagram-sizes",
         default="default,16000",

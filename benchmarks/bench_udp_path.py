@@ -284,7 +284,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=32, help="MiB per transfer (default 32)")
     ap.add_argument("--udp-sizes", default="1200,1452", help="raw UDP datagram sizes")
-    ap.add_argument("--stacks", default="qh3,aioquic", help="comma-separated QUIC stacks (qh3, the default stack, first)")
+    ap.add_argument(
+        "--stacks", default="qh3,aioquic", help="comma-separated QUIC stacks (default stack first)"
+    )
     ap.add_argument(
         "--datagram-sizes",
         default="default",
