@@ -482,7 +482,7 @@ class SessionPump:
             log.debug("%s: %s raised after the connection closed: %s", self.label, what, exc)
             self._on_terminated(closed, now)
             return
-        log.warning("%s: QUIC stack error in %s: %s; connection dropped", self.label, what, exc)
+        log.warning("%s: QUIC stack error in %s: %r; connection dropped", self.label, what, exc)
         if self.close_reason is None:
             self.close_reason = f"QUIC stack error: {exc}"
         self.terminated = True
