@@ -20,9 +20,9 @@
 #      as of adapters 1.3.0) and mypy;
 #   3. from that directory, with `python -I` (neither the repository nor the current
 #      directory is on sys.path): `import adapters` is AdapterHub's (adapter
-#      configurations are built and turned into dicts, and a LoRA adapter is added to a
-#      tiny BERT built from a config, no download, and run once), `import transports`
-#      fails, and
+#      configurations are built and turned into dicts, and a LoRA adapter added to a
+#      tiny BERT built from a config, no download, changes its output), `import
+#      transports` fails, and
 #      `import kvcs` runs the README's asyncio example, a real retrieval over QUIC on
 #      127.0.0.1;
 #   4. mypy --strict on tests/typecheck/user_program.py against the installed wheel
@@ -102,13 +102,23 @@ tiny = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_h
                             intermediate_size=64, vocab_size=100))
 adapters.init(tiny)
 tiny.add_adapter("kvcs_check", config=LoRAConfig(r=4, alpha=8))
-tiny.set_active_adapters("kvcs_check")
-tiny.train_adapter("kvcs_check")
+tiny.train_adapter("kvcs_check")  # activates it; only its parameters train
 trainable = sum(p.numel() for p in tiny.parameters() if p.requires_grad)
-out = tiny(input_ids=torch.tensor([[1, 2, 3, 4]])).last_hidden_state
-assert out.shape == (1, 4, 32) and trainable > 0, (out.shape, trainable)
-print(f"  tiny BERT + LoRA adapter (torch {torch.__version__}): active {tiny.active_adapters}, "
-      f"output {tuple(out.shape)}, {trainable} trainable adapter parameters")
+active = str(tiny.active_adapters)
+ids = torch.tensor([[1, 2, 3, 4]])
+tiny.eval()
+with torch.no_grad():
+    for name, param in tiny.named_parameters():
+        if "lora_B" in name:  # zero at first: give the adapter an effect to see
+            param.fill_(0.01)
+    with_lora = tiny(input_ids=ids).last_hidden_state
+    tiny.set_active_adapters(None)
+    without = tiny(input_ids=ids).last_hidden_state
+assert with_lora.shape == (1, 4, 32) and trainable > 0, (with_lora.shape, trainable)
+assert not torch.allclose(with_lora, without), "the LoRA adapter changed nothing"
+print(f"  tiny BERT + LoRA adapter (torch {torch.__version__}): active {active}, "
+      f"{trainable} trainable parameters, output {tuple(with_lora.shape)} differs "
+      "from the base model's")
 
 import kvcs
 import kvcs.adapters
