@@ -81,6 +81,7 @@ class CacheFile:
 
     @property
     def cd(self) -> CompatibilityDescriptor:
+        """The descriptor, parsed and checked (a new object on each access)."""
         return CompatibilityDescriptor(dict(self.descriptor))
 
     def check(self) -> None:
@@ -134,6 +135,7 @@ class CacheLayers:
 
     @property
     def cd(self) -> CompatibilityDescriptor:
+        """The descriptor, parsed and checked (a new object on each access)."""
         return CompatibilityDescriptor(dict(self.descriptor))
 
     def layers(self) -> Iterator[LayerPair]:

@@ -1,5 +1,107 @@
 """kvcs: stream LLM KV caches layer by layer over MOQT (draft-ietf-moq-transport-22).
 
-One import root: ``kvcs.transports`` (QUIC and loopback bindings, the ``kvcs``
-command), ``kvcs.adapters`` (numpy, cache files) and the pure core ``kvcs_core``.
+This module is the public, typed API (asyncio). ``import kvcs`` gives:
+
+* **Sessions over QUIC** (asyncio; the same pair on trio is :mod:`kvcs.trio`):
+  :func:`serve_relay` hosts a caching relay (a :class:`RelayServer`), and
+  :func:`connect` opens a MOQT session (a :class:`MoqtClient`). A client
+  publishes (:meth:`MoqtClient.publish_cache` gives a :class:`CachePublication`:
+  ``put_layer`` per layer, then ``finish``) or retrieves
+  (:meth:`MoqtClient.retrieve_cache` gives a :class:`CacheRetrieval`: ``async for
+  layer in retrieval`` yields each layer once it is usable, ``result()`` returns
+  the :class:`RetrievalComplete`; :class:`RecomputeNeeded` lists what will not
+  arrive).
+* **Options**: :class:`TlsConfig` and :func:`self_signed` (certificates and
+  trust), :class:`Backoff` (reconnection), :class:`RelayConfig` (the relay's
+  bounds), :class:`ConsumerConfig` and :class:`TrackSelection` (a retrieval's
+  bounds and tracks), :class:`TrackOffer` (a publication's tracks),
+  :class:`ManifestSigner` (a signed manifest).
+* **The cache**: :class:`CompatibilityDescriptor` (the KVSP descriptor: model,
+  layers, heads, dtype, block size); the numpy adapter :func:`layer_sections`
+  (engine arrays to K/V sections, zero-copy where it can) and
+  :class:`KvDestination` (preallocated arrays the retrieval writes into); cache
+  files: :func:`load`, :func:`save` (``.npz`` or ``.safetensors``),
+  :class:`CacheFile`, :func:`synthetic` and :func:`llama_descriptor`.
+* **Errors**, each with a one-line message: :class:`ConnectError` (network,
+  setup, a lost session), :class:`TlsError`, :class:`UrlError`,
+  :class:`StackUnavailable` (an unknown or missing QUIC stack),
+  :class:`RetrievalFailed`, :class:`CacheFileError`, :class:`DescriptorError`,
+  :class:`PublisherError` (layers out of order, sections that do not fit) and
+  :class:`LocalProtocolError` (a command the session's state does not allow).
+
+Below this API: ``kvcs.transports`` (the QUIC and loopback bindings, the
+``kvcs`` command), ``kvcs.adapters`` (numpy, cache files) and the pure, sans-I/O
+core ``kvcs_core``, which the names above come from.
 """
+
+from kvcs.adapters.cachefile import (
+    CacheFile,
+    CacheFileError,
+    llama_descriptor,
+    load,
+    save,
+    synthetic,
+)
+from kvcs.adapters.numpy_kv import KvDestination, LayerSections, layer_sections
+from kvcs.transports.quic.api import (
+    CachePublication,
+    CacheRetrieval,
+    ConnectError,
+    MoqtClient,
+    RelayServer,
+    RetrievalFailed,
+)
+from kvcs.transports.quic.asyncio_binding import connect, serve_relay
+from kvcs.transports.quic.config import UrlError
+from kvcs.transports.quic.reconnect import Backoff
+from kvcs.transports.quic.stack import StackUnavailable
+from kvcs.transports.quic.tls import TlsConfig, TlsError, self_signed
+from kvcs_core.kvcs.consumer import (
+    ConsumerConfig,
+    LayerReady,
+    RecomputeNeeded,
+    RetrievalComplete,
+    TrackSelection,
+)
+from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError, TrackOffer
+from kvcs_core.kvsp import CompatibilityDescriptor, DescriptorError
+from kvcs_core.moqt.errors import LocalProtocolError
+from kvcs_core.relay.config import RelayConfig
+
+__all__ = [
+    "Backoff",
+    "CacheFile",
+    "CacheFileError",
+    "CachePublication",
+    "CacheRetrieval",
+    "CompatibilityDescriptor",
+    "ConnectError",
+    "ConsumerConfig",
+    "DescriptorError",
+    "KvDestination",
+    "LayerReady",
+    "LayerSections",
+    "LocalProtocolError",
+    "ManifestSigner",
+    "MoqtClient",
+    "PublisherError",
+    "RecomputeNeeded",
+    "RelayConfig",
+    "RelayServer",
+    "RetrievalComplete",
+    "RetrievalFailed",
+    "StackUnavailable",
+    "TlsConfig",
+    "TlsError",
+    "TrackOffer",
+    "TrackSelection",
+    "UrlError",
+    "connect",
+    "layer_sections",
+    "llama_descriptor",
+    "load",
+    "save",
+    "self_signed",
+    "serve_relay",
+    "synthetic",
+]

@@ -5,8 +5,9 @@
 # It tests what a new user gets: for every interpreter it makes a FRESH virtual
 # environment (deleted and made again on every run, so pip resolves the current
 # releases of every dependency, never what this machine happens to have) and
-# installs the package with its test/fuzz/dev extras into it. Then:
-#   1. ruff and mypy (strict on kvcs_core), once, on the first interpreter;
+# installs the package with its test/fuzz/dev/docs extras into it. Then:
+#   1. ruff, mypy (strict on kvcs_core) and the API reference
+#      (scripts/build_docs.sh: pdoc, warnings are errors), once, on the first interpreter;
 #   2. the interop peers (scripts/install_peers.sh, never fails the build);
 #   3. the whole pytest suite on every interpreter;
 #   4. a few seconds of atheris per fuzz harness, on the first interpreter
@@ -81,9 +82,9 @@ fresh_venv() {
     "$py" -m venv "$dir" >&2
     "$dir/bin/python" -m pip install -q --upgrade pip >&2
     # pquic (aiopquic) installs on Python >= 3.12 only: its extra is empty below that
-    if ! "$dir/bin/python" -m pip install -q -e '.[test,fuzz,dev,pquic]' >&2; then
+    if ! "$dir/bin/python" -m pip install -q -e '.[test,fuzz,dev,pquic,docs]' >&2; then
         echo "!! install with the fuzz extra failed on $py; retrying without atheris" >&2
-        "$dir/bin/python" -m pip install -q -e '.[test,dev,pquic]' >&2
+        "$dir/bin/python" -m pip install -q -e '.[test,dev,pquic,docs]' >&2
     fi
     echo "$dir/bin/python"
 }
@@ -92,11 +93,11 @@ i=0
 FIRST_PY=""
 for py in "${PYTHONS[@]}"; do
     i=$((i + 1))
-    section "[$py] fresh virtual environment in $VENVS, pip install -e '.[test,fuzz,dev]'"
+    section "[$py] fresh virtual environment in $VENVS, pip install -e '.[test,fuzz,dev,docs]'"
     PY="$(fresh_venv "$py")"
     "$PY" --version
     "$PY" -m pip list 2>/dev/null \
-        | grep -iE '^(trio|aioquic|qh3|aiopquic|cryptography|pycose|cbor2|attrs|numpy|atheris|pytest|hypothesis) ' \
+        | grep -iE '^(trio|aioquic|qh3|aiopquic|cryptography|pycose|cbor2|attrs|numpy|atheris|pytest|hypothesis|pdoc) ' \
         | tr -s ' ' | paste -sd ',' - | sed 's/,/, /g'
     # The environment's scripts first on PATH, as an activated venv would have them.
     export PATH="$(dirname "$PY"):$PATH"
@@ -108,6 +109,9 @@ for py in "${PYTHONS[@]}"; do
 
         section "mypy (strict on kvcs_core)"
         "$PY" -m mypy kvcs_core kvcs
+
+        section "API reference: scripts/build_docs.sh (pdoc, warnings are errors)"
+        PYTHON="$PY" bash scripts/build_docs.sh
 
         section "interop peers: bash scripts/install_peers.sh (never fails the build)"
         bash scripts/install_peers.sh || echo "!! install_peers.sh failed: the interop tests will skip"

@@ -176,6 +176,7 @@ class TrackSelection:
 
     @property
     def components(self) -> tuple[Component, ...]:
+        """The components retrieved: ``(KV,)`` for the joint track, else ``(K, V)``."""
         return (Component.KV,) if self.joint else (Component.K, Component.V)
 
 

@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 A session's request handling splits by who opened the request stream
-(d21 section 6.4.2): :mod:`peer_requests` handles streams the peer opened (we
-are the responder), :mod:`own_requests` handles answers on streams we opened.
+(d21 section 6.4.2): :mod:`.peer_requests` handles streams the peer opened (we
+are the responder), :mod:`.own_requests` handles answers on streams we opened.
 Both are mixins of :class:`~kvcs_core.moqt.session.MoqtSession`; this base
 declares the state they share and the three helpers both use (refusing a
 request, cancelling a request stream, turning REQUEST_ERROR into an event).

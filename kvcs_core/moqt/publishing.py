@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Objects live in a :class:`TrackStore` (shared by every session that serves the
+Objects live in a :class:`~.track_store.TrackStore` (shared by every session that serves the
 track); this module decides what goes to *this* peer, on which stream, in which
 order (d21 sections 3, 5.1.2, 11):
 
@@ -60,7 +60,7 @@ order (d21 sections 3, 5.1.2, 11):
 * **Cut-through (a relay's store still filling).** A cache may answer a
   request before the objects it covers have all arrived (it knows the range
   from its upstream's answer) and mark its store *filling*
-  (:attr:`TrackStore.filling`). Then a late-fill stream (A27) is not FIN'd
+  (:attr:`~.track_store.TrackStore.filling`). Then a late-fill stream (A27) is not FIN'd
   when drained but kept for the next object of its fill range, and a FETCH
   served with a known End Location (``accept_fetch(..., end=...)``) keeps its
   stream after its snapshot and sends each object of its range appended
@@ -1172,7 +1172,8 @@ class Publisher:
 
     def _reschedule(self, sender: _Sender) -> None:
         """Tell the scheduler where ``sender``'s head object stands (d21 5.1.2): the
-        :attr:`SendKey.rank` of its head, built directly (this runs after every pull)."""
+        :attr:`~.scheduler.SendKey.rank` of its head, built directly (this runs after
+        every pull)."""
         if sender.finished:
             return
         queue = sender.queue

@@ -20,8 +20,8 @@ when descending): the FETCH's GROUP_ORDER, or for a fill the inner
 FILL_PARAMETERS GROUP_ORDER, else the subscription's (Ambiguity A6: we always
 send GROUP_ORDER explicitly).
 
-Malformed bytes raise :class:`CodecError`, which the session turns into a close
-with the error's code.
+Malformed bytes raise :class:`~kvcs_core.wire.errors.CodecError`, which the session turns
+into a close with the error's code.
 """
 
 from __future__ import annotations

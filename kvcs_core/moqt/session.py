@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 One session = one QUIC (or WebTransport) connection, either role, publisher and
 subscriber at once (d21 sections 3 and 6). The session consumes
-:mod:`transport_io` events and emits transport commands and session events,
-following the call protocol of :mod:`protocol`; it never performs I/O, reads a
+:mod:`.transport_io` events and emits transport commands and session events,
+following the call protocol of :mod:`.protocol`; it never performs I/O, reads a
 clock or draws randomness.
 
 Streams (d21 section 6.3, wire reference 3.3):
@@ -15,15 +15,15 @@ Streams (d21 section 6.3, wire reference 3.3):
   A second control stream, FIN or reset of it, or anything else on it is a
   PROTOCOL_VIOLATION (Ambiguity A19);
 * every request travels on its own bidirectional *request stream*
-  (:mod:`requests`); the first message must be a request type, else PV;
+  (:mod:`.requests`); the first message must be a request type, else PV;
 * object data travels on unidirectional *data streams* and datagrams
-  (:mod:`receiving` decodes what we receive, :mod:`publishing` produces what
+  (:mod:`.receiving` decodes what we receive, :mod:`.publishing` produces what
   we send).
 
 Stream credit: a request of ours needs a bidirectional stream, and the peer
 limits how many we may open (QUIC MAX_STREAMS). When the transport reports
 that limit (:class:`~kvcs_core.moqt.transport_io.StreamCredit`), a request
-made while it is used up is held unsent (:mod:`output`, at most
+made while it is used up is held unsent (:mod:`.output`, at most
 ``SessionConfig.max_held_requests``); held requests go out in the order they
 were made as the credit grows, and only then does their CONTROL_MESSAGE_TIMEOUT
 timer start (the peer cannot answer what it has not seen). Updates and cancels
@@ -36,10 +36,10 @@ Request and data streams may arrive before the peer's SETUP; they are buffered
 (bounded by ``SessionConfig.max_pre_setup_bytes``) and replayed once it arrives
 (d21 section 6.3: SHOULD buffer).
 
-Errors follow the three tiers of :mod:`errors`: every input passes one choke
-point, :meth:`_guard`, that turns a :class:`PeerViolation` (or a
+Errors follow the three tiers of :mod:`.errors`: every input passes one choke
+point, :meth:`MoqtSession._guard`, that turns a :class:`PeerViolation` (or a
 :class:`CodecError` from the wire codec, which carries its session code) into
-``CloseTransport`` + :class:`SessionClosed`. Anything else propagates: it is a
+``CloseTransport`` + :class:`~.events.SessionClosed`. Anything else propagates: it is a
 bug.
 """
 
@@ -226,7 +226,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         """Declare that objects appended to ``store`` from now until ``restoring(None)`` are
         *restores*: objects a cache evicted and fetched again, which every subscription
         served from ``store`` either already received or must get on a late fill stream
-        (:mod:`publishing` module docstring). Pure; for caches such as a relay."""
+        (:mod:`.publishing` module docstring). Pure; for caches such as a relay."""
         self.publisher.restoring = store
 
     def poll_data(self, max_bytes: int) -> WriteStream | SendDatagram | None:
@@ -510,7 +510,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         """Serve a FETCH from ``store``: FETCH_OK, then the objects on a fetch stream.
 
         A cache that answers before the objects have arrived (its upstream's FETCH_OK
-        in hand, the store :attr:`~TrackStore.filling`) passes that answer's
+        in hand, the store :attr:`~.track_store.TrackStore.filling`) passes that answer's
         ``end_location`` and ``end_of_track``: the stream then sends each object of the
         range as it reaches the store, until :meth:`end_fetch` or End Location
         (:mod:`kvcs_core.moqt.publishing`, cut-through)."""

@@ -7,7 +7,7 @@ reports its earliest deadline through ``get_timer()``. Fixed timers (SETUP,
 GOAWAY) have one slot each; per-request timers (a request of ours awaiting its
 answer, d21 section 12.2 CONTROL_MESSAGE_TIMEOUT) are keyed by Request ID. A
 request's timer is set when its stream is opened within the peer's stream
-credit, not while the request is held waiting for that credit (:mod:`output`).
+credit, not while the request is held waiting for that credit (:mod:`.output`).
 Object delivery timeouts live with the publisher's send queues (d21 section
 5.2), which report their own earliest deadline here.
 """

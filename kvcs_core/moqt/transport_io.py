@@ -28,7 +28,7 @@ streams we may open (MAX_STREAMS), and every request of ours is one (d21
 section 6.4.2). A transport that knows the limit reports it with
 :class:`StreamCredit` (cumulative, like MAX_STREAMS: "N streams in total"),
 after the handshake and whenever it grows; the session then opens request
-streams only within it and holds the others itself (:mod:`output`), so a
+streams only within it and holds the others itself (:mod:`.output`), so a
 request's timer never runs while the request waits for credit. A transport
 that never reports credit gets every ``OpenStream`` at once, as before.
 

@@ -41,8 +41,8 @@ at the Subgroup ID, OBJECTID_FILTER at the Object ID, PRIORITY_FILTER at the
 Publisher Priority, OBJECT_PROPERTY_FILTER at an even Object Property (found in
 the properties or inside IMMUTABLE_PROPERTIES, wire reference 7.9); an object
 lacking the property fails that filter (Ambiguity A25). TRACK_PROPERTY_FILTER
-selects PUBLISHes of a SUBSCRIBE_TRACKS, not objects, so :meth:`matches` leaves
-it out and :meth:`matches_track` evaluates it alone.
+selects PUBLISHes of a SUBSCRIBE_TRACKS, not objects, so :meth:`RangeFilterSet.matches` leaves
+it out and :meth:`RangeFilterSet.matches_track` evaluates it alone.
 """
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ class Relay(Offers):
     def _settle(self) -> None:
         """After every input: the cache within its budget (cache docstring), and tracks
         whose cache emptied forgotten if nothing else needs them; re-fetches waiting for
-        transit room looked at again (:meth:`RelayCore._pace`)."""
+        transit room looked at again (:meth:`~.core.RelayCore._pace`)."""
         if self._pace_at is not None:
             self._pace()
         if self._filling:

@@ -88,7 +88,11 @@ from kvcs_core.wire.scopes import (
     SUBSCRIBE_TRACKS_PARAMS,
     TRACK_STATUS_PARAMS,
 )
-from kvcs_core.wire.setup import SetupOptions
+
+# AuthorizationToken is re-exported: Setup's __init__ (attrs makes it in this module) is
+# annotated with it, so typing.get_type_hints(Setup.__init__) and the API reference
+# resolve it here.
+from kvcs_core.wire.setup import AuthorizationToken, SetupOptions
 from kvcs_core.wire.varint import Buffer, encode_vi64
 
 __all__ = [
@@ -97,6 +101,7 @@ __all__ = [
     "MAX_MESSAGE_BODY",
     "MAX_REASON_PHRASE",
     "MESSAGE_CLASSES",
+    "AuthorizationToken",
     "ControlMessage",
     "ControlMessageBase",
     "ControlStreamDecoder",

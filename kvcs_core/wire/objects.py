@@ -212,7 +212,7 @@ class DataStreamDecoder:
     :class:`FetchStreamDecoder`, or, for a padding stream, returns one
     :class:`PaddingStreamHeader` and counts the rest in :attr:`discarded`.
     ``fetch_group_order`` is the group order source a fetch stream needs (a
-    :class:`GroupOrder` or a callable given the Request ID). A control stream
+    :class:`~.codes.GroupOrder` or a callable given the Request ID). A control stream
     (0x2F00) is refused with a CodecError: classify streams first and give the
     control stream to the control-stream decoder. Payload views point into fed
     buffers: do not mutate a buffer after feeding it.

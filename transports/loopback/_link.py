@@ -193,7 +193,7 @@ class Endpoint:
 class Link:
     """A bidirectional QUIC-like connection between two machines (see the package docstring).
 
-    Create with :meth:`Network.connect`. ``client`` and ``server`` are the two
+    Create with :meth:`~._network.Network.connect`. ``client`` and ``server`` are the two
     :class:`Endpoint`s; the names only say who was passed first.
     """
 

@@ -1,7 +1,5 @@
 """Small value types of the loopback network: errors, chunking policies, log records."""
 
-from __future__ import annotations
-
 import random
 from collections.abc import Iterator
 from typing import ClassVar, NamedTuple
@@ -66,8 +64,8 @@ class Chunking:
     seed: int | None = None
     max_size: int = 64
 
-    WHOLE: ClassVar[Chunking]
-    BYTEWISE: ClassVar[Chunking]
+    WHOLE: ClassVar["Chunking"]
+    BYTEWISE: ClassVar["Chunking"]
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in ("whole", "bytewise", "random"):
@@ -76,7 +74,7 @@ class Chunking:
             raise ValueError("max_size must be at least 1")
 
     @classmethod
-    def random(cls, seed: int | None = None, max_size: int = 64) -> Chunking:
+    def random(cls, seed: int | None = None, max_size: int = 64) -> "Chunking":
         """Seeded random splits of 1..``max_size`` bytes.
 
         With ``seed=None`` the seed is derived from the ``Network`` seed and the
@@ -84,7 +82,7 @@ class Chunking:
         """
         return cls("random", seed, max_size)
 
-    def splitter(self, default_seed: str, direction: int) -> Splitter:
+    def splitter(self, default_seed: str, direction: int) -> "Splitter":
         """A stateful splitter for one direction (0: client->server, 1: back) of a link."""
         base = default_seed if self.seed is None else str(self.seed)
         return Splitter(self, f"{base}/{direction}")

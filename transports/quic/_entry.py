@@ -48,22 +48,10 @@ async def relay_server(
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
 ) -> AsyncIterator[RelayServer]:
-    """A caching relay on ``listen`` (``host:port``), as an async context manager
-    (``serve_relay`` of a binding).
+    """A caching relay on ``listen`` (``host:port``), as an async context manager.
 
-    Options: ``tls`` (required: a :class:`~.tls.TlsConfig` with a certificate),
-    ``stack`` (``"qh3"``, the default, ``"aioquic"`` or ``"pquic"``), ``relay_config``,
-    ``upstream`` (a parent relay's URL, for trees) and ``upstream_tls``, ``max_datagram_size``,
-    ``max_connections`` (default 256) and ``max_connections_per_address`` (default
-    32; handshakes over either are refused at once with CONNECTION_REFUSED, see
-    :mod:`.endpoint`), ``timeout`` (for the upstream session, and each attempt to
-    reopen it), ``webtransport`` (default true: clients also reach it over
-    WebTransport, ``https://host:port/...``, on the same UDP port), ``idle_timeout``
-    (seconds, default 30: QUIC's idle timeout of every connection; kvcs connections
-    PING a quiet peer, so only dead ones reach it), ``upstream_reconnect`` (the
-    :class:`~.reconnect.Backoff` with which a lost upstream session is reopened,
-    forever by default; ``None``: never; the relay core asks the new session again
-    for what its downstream peers wait for).
+    The body of every binding's ``serve_relay``; its parameters are documented there
+    (:func:`.asyncio_binding.serve_relay`).
     """
     host, port = parse_hostport(listen)
     endpoint = relay_endpoint(
@@ -112,23 +100,11 @@ async def client_session(
     reconnect: Backoff | None = None,
     bind: str | None = None,
 ) -> AsyncIterator[MoqtClient]:
-    """A MOQT session with the server at ``moqt://host:port[/path]`` (native QUIC) or
-    ``https://host:port/path`` (WebTransport), as an async context manager
-    (``connect`` of a binding).
+    """A MOQT session with the server at ``url``, as an async context manager.
 
-    Options: ``tls`` (trust; default: the system's), ``stack``, ``timeout`` (for the
-    handshake and SETUP, and each reconnection attempt), ``max_datagram_size``,
-    ``via`` (open the session on the UDP socket and driver of another client, e.g. a
-    second relay for one retrieval: ``retrieve_cache(..., also=...)``; both must reach
-    their servers from the same local address), ``idle_timeout`` (seconds, default 30;
-    the connection PINGs a quiet server, see :mod:`.pump`), ``reconnect`` (a
-    :class:`~.reconnect.Backoff`: once set up, a lost session is reopened with it and
-    the publications made on the client are announced again; default ``None``: no
-    reconnection), ``bind`` (the local IP address to send from; default: 127.0.0.1
-    for a loopback server, else any).
-
-    A connection that fails, or whose session the server closes during setup, raises
-    :class:`~.api.ConnectError` with the reason.
+    The body of every binding's ``connect``; its parameters are documented there
+    (:func:`.asyncio_binding.connect`). A connection that fails, or whose session the
+    server closes during setup, raises :class:`~.api.ConnectError` with the reason.
     """
     target = parse_url(url)
     addr = await resolve(target.host, target.port)

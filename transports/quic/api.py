@@ -35,11 +35,14 @@ from typing import Any, Protocol
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
     ConsumerEvent,
+    Destinations,
     KvcsConsumer,
     LayerReady,
     RecomputeNeeded,
     RetrievalComplete,
+    TrackSelection,
 )
+from kvcs_core.kvcs.cose import VerificationKey
 from kvcs_core.kvcs.publisher import RAW_KV, KvcsPublisher, ManifestSigner, TrackOffer
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
@@ -125,6 +128,7 @@ class MoqtClient:
 
     @property
     def session(self) -> MoqtSession:
+        """The MOQT session (the current one, with a link), for plain MOQT use."""
         return self.pump.session
 
     @property
@@ -187,7 +191,31 @@ class MoqtClient:
         max_queued: int = DEFAULT_MAX_QUEUED,
     ) -> CachePublication:
         """Create a publication and announce it on this session (PUBLISH_NAMESPACE); with
-        a link, again on every new session."""
+        a link (``connect(..., reconnect=...)``), again on every new session.
+
+        Args:
+            descriptor: the KVSP Compatibility Descriptor of the cache (a decoded JSON
+                object, e.g. ``CacheFile.descriptor``).
+            scope_key: the 32-octet scope key (your tenant's secret).
+            tokens: the prompt's token IDs; the full blocks are published.
+            publication_id: 16 octets naming this publication (default: random).
+            signer: a :class:`~kvcs_core.kvcs.publisher.ManifestSigner` to publish a
+                signed ``manifest.cose`` (default ``None``: an unsigned ``manifest``).
+            offer: the data tracks to publish (default: ``k`` and ``v`` of codec
+                ``raw``).
+            deterministic: the cache is bit-identical whoever computes it, so
+                consumers may mix it with other publications (default false).
+            max_queued: object bytes the session may hold queued for subscribers
+                before :meth:`CachePublication.put_layer` waits (default 32 MiB).
+
+        Returns:
+            The :class:`CachePublication`; publish each layer with ``put_layer``.
+
+        Raises:
+            ConnectError: the session is closed (and no reconnection is under way).
+            ValueError: an invalid descriptor, scope key, token, publication ID or
+                offer.
+        """
         self._require_open()
         pub = KvcsPublisher(
             descriptor,
@@ -212,18 +240,75 @@ class MoqtClient:
         tokens: Sequence[int],
         *,
         also: Sequence[MoqtClient] = (),
-        **kwargs: Any,
+        destinations: Destinations | None = None,
+        producer_keys: Mapping[bytes, VerificationKey] | None = None,
+        require_authenticity: bool = True,
+        tracks: TrackSelection | None = None,
+        recovery_time_bound: float = 2.0,
+        layers: range | None = None,
+        prefix_lengths: Sequence[int] | None = None,
+        config: ConsumerConfig | None = None,
     ) -> CacheRetrieval:
-        """Start a consumer for ``tokens`` on this session (and the ``also`` sessions).
+        """Start retrieving the KV cache of ``tokens`` on this session (and the ``also``
+        sessions): discovery, live or completed retrieval, verification, recovery.
 
-        ``kwargs`` go to :class:`~kvcs_core.kvcs.consumer.KvcsConsumer` (destinations,
-        producer_keys, require_authenticity, layers, config, ...).
+        The retrieval runs in the background of the event loop; iterate over the
+        returned :class:`CacheRetrieval` for each layer as it becomes usable, or await
+        :meth:`CacheRetrieval.result`.
+
+        Args:
+            descriptor: the KVSP Compatibility Descriptor (a decoded JSON object,
+                e.g. ``CacheFile.descriptor``).
+            scope_key: the 32-octet scope key the cache was published under.
+            tokens: the prompt's token IDs; its full blocks are what can be reused.
+            also: more connected clients (e.g. other relays) to retrieve from at the
+                same time; missing Objects are recovered from them (default: none).
+            destinations: where verified Data goes: a callable ``(layer, component) ->
+                buffer`` or a mapping ``{(layer, component): buffer}`` (e.g.
+                ``KvDestination.buffer``); default ``None``: verified views of the
+                payloads are kept (``retrieval.consumer.data``).
+            producer_keys: trusted producer verification keys by key ID (``kid``);
+                default ``None``.
+            require_authenticity: count an Object only once a manifest signed with
+                one of ``producer_keys`` lists its digest (default true, which needs
+                ``producer_keys``; pass ``False`` for unsigned publications).
+            tracks: the data tracks to retrieve (a
+                :class:`~kvcs_core.kvcs.consumer.TrackSelection`; default: ``k`` and
+                ``v`` of codec ``raw``).
+            recovery_time_bound: seconds to try to recover missing Objects before
+                reporting them as needing recomputation (default 2).
+            layers: the layers needed (default: every layer of the descriptor).
+            prefix_lengths: prefix lengths in blocks to discover, longest first
+                (default: the consumer's choice, longest first).
+            config: the consumer's bounds and policies
+                (:class:`~kvcs_core.kvcs.consumer.ConsumerConfig`; default: its
+                defaults).
+
+        Returns:
+            The running :class:`CacheRetrieval`.
+
+        Raises:
+            ConnectError: this session or one of ``also`` is closed.
+            ValueError: an invalid descriptor, scope key, token, layer range, prefix
+                length or destination; a prompt without a full block;
+                ``require_authenticity`` without ``producer_keys``.
         """
         for c in (self, *also):
             if not c.connected:
                 raise ConnectError(f"connection to {c.target} closed: {_closed_reason(c.pump)}")
-        kwargs.setdefault("config", ConsumerConfig())
-        consumer = KvcsConsumer(descriptor, scope_key, tokens, **kwargs)
+        consumer = KvcsConsumer(
+            descriptor,
+            scope_key,
+            tokens,
+            producer_keys=producer_keys,
+            require_authenticity=require_authenticity,
+            tracks=tracks,
+            recovery_time_bound=recovery_time_bound,
+            destinations=destinations,
+            layers=layers,
+            prefix_lengths=prefix_lengths,
+            config=config or ConsumerConfig(),
+        )
         clients = (self, *also)
         handle = ConsumerHandle(consumer, tuple(c.session for c in clients))
         self.app.consumers.append(handle)
@@ -325,7 +410,24 @@ class CachePublication:
         segment: int = 0,
         timeout: float | None = None,
     ) -> None:
-        """Publish one layer, first waiting while too much is queued for subscribers."""
+        """Publish one layer, first waiting while too much is queued for subscribers.
+
+        Args:
+            layer: the layer number; layers go in order 0, 1, ... per segment.
+            k_blocks: the K section of each full block of the segment (buffers, e.g.
+                ``layer_sections(...).k``), held by reference until sent.
+            v_blocks: the V sections, likewise.
+            segment: the segment the blocks belong to (default 0).
+            timeout: seconds to wait for the queue to drain (default ``None``: no
+                bound; ``TimeoutError`` when it passes).
+
+        Raises:
+            ConnectError: the session is gone.
+            PublisherError: the layer is out of order, the sections do not match the
+                descriptor, or the publication is finished
+                (:class:`~kvcs_core.kvcs.publisher.PublisherError` and subclasses).
+            TimeoutError: ``timeout`` passed.
+        """
         client = self.client
         await client.driver.wait_for(
             lambda: client.session.queued_bytes <= self.max_queued or not client.connected,
@@ -368,6 +470,7 @@ class CacheRetrieval:
 
     @property
     def consumer(self) -> KvcsConsumer:
+        """The pure consumer machine (its events, state and kept data)."""
         return self.handle.consumer
 
     @property
@@ -432,7 +535,17 @@ class CacheRetrieval:
     async def result(
         self, timeout: float | None = None, *, strict: bool = True
     ) -> RetrievalComplete:
-        """Wait for the end; with ``strict``, :class:`RetrievalFailed` unless complete."""
+        """Wait for the end of the retrieval and return its outcome.
+
+        Args:
+            timeout: seconds to wait (default ``None``: no bound).
+            strict: raise unless every needed Object arrived (default true).
+
+        Raises:
+            RetrievalFailed: with ``strict``, the retrieval ended incomplete (no
+                publication found, or objects missing: ``recompute`` says which).
+            TimeoutError: ``timeout`` passed.
+        """
 
         def settled() -> bool:
             self._take()
@@ -467,11 +580,13 @@ class RelayServer:
 
     @property
     def url(self) -> str:
+        """The relay's ``moqt://host:port`` URL."""
         host, port = self.address
         return f"moqt://{host}:{port}"
 
     @property
     def connections(self) -> int:
+        """The number of QUIC connections it holds now."""
         return len(self.driver.endpoint.pumps)
 
 

@@ -26,11 +26,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from kvcs_core.relay.config import RelayConfig
+
 from . import pquic_binding
 from ._asyncio_driving import AsyncioDriving
 from ._entry import client_session, relay_server
 from .api import ConnectError, MoqtClient, RelayServer
-from .endpoint import QuicEndpoint
+from .config import DEFAULT_IDLE_TIMEOUT
+from .endpoint import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_ADDRESS, QuicEndpoint
+from .reconnect import DEFAULT_BACKOFF, Backoff
+from .stack import DEFAULT_STACK
+from .tls import TlsConfig
 from .udp import UdpSocket
 
 log = logging.getLogger("kvcs.quic")
@@ -151,15 +157,149 @@ async def open_endpoint(
 
 
 def serve_relay(
-    listen: str = "127.0.0.1:4443", **options: Any
+    listen: str = "127.0.0.1:4443",
+    *,
+    tls: TlsConfig,
+    stack: str = DEFAULT_STACK,
+    relay_config: RelayConfig | None = None,
+    upstream: str | None = None,
+    upstream_tls: TlsConfig | None = None,
+    max_datagram_size: int | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
+    timeout: float = 10.0,
+    webtransport: bool = True,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
 ) -> AbstractAsyncContextManager[RelayServer]:
-    """A caching relay on ``listen`` on asyncio; options: :func:`._entry.relay_server`."""
-    return relay_server(open_endpoint, _resolve, listen, **options)
+    """A caching MOQT relay on asyncio, as an async context manager.
+
+    ``async with serve_relay("127.0.0.1:0", tls=self_signed(d)) as relay:`` serves
+    until the block ends; ``relay.url`` is its ``moqt://`` URL (port 0: the OS chose).
+
+    Args:
+        listen: ``host:port`` to bind (default ``127.0.0.1:4443``; port 0 lets the
+            OS choose, see :attr:`~.api.RelayServer.address`).
+        tls: the server's certificate and key (required; :func:`~.tls.self_signed`
+            makes a local pair).
+        stack: the QUIC implementation: ``"qh3"`` (the default), ``"aioquic"`` or
+            ``"pquic"``.
+        relay_config: the relay core's bounds and policies
+            (:class:`~kvcs_core.relay.config.RelayConfig`; default: its defaults).
+        upstream: a parent relay's URL (``moqt://`` or ``https://``), for trees;
+            default ``None``: no parent.
+        upstream_tls: trust for the upstream connection (default: the system's).
+        max_datagram_size: the largest UDP payload QUIC sends, in octets
+            (default: the stack's).
+        max_connections: connections held at once (default 256); a handshake
+            over it is refused at once with CONNECTION_REFUSED.
+        max_connections_per_address: connections one IP address may hold
+            (default 32), refused the same way.
+        timeout: seconds for the upstream session's setup, and for each attempt
+            to reopen it (default 10).
+        webtransport: also accept WebTransport (``https://host:port/...``) on the
+            same UDP port (default true).
+        idle_timeout: QUIC's idle timeout of every connection, in seconds
+            (default 30; quiet peers are PINGed, so only dead ones reach it).
+        upstream_reconnect: the :class:`~.reconnect.Backoff` with which a lost
+            upstream session is reopened (default: 0.5 s doubling to 30 s,
+            forever); ``None``: never.
+
+    Returns:
+        An async context manager yielding the :class:`~.api.RelayServer`.
+
+    Raises:
+        TlsError: ``tls`` names a missing or unusable certificate or key.
+        StackUnavailable: ``stack`` is unknown or not installed.
+        UrlError: ``upstream`` is not a ``moqt://`` or ``https://`` URL.
+        ConnectError: the upstream session could not be set up.
+        OSError: ``listen`` cannot be bound (address in use, ...).
+        ValueError: an invalid ``listen`` or ``idle_timeout``.
+    """
+    return relay_server(
+        open_endpoint,
+        _resolve,
+        listen,
+        tls=tls,
+        stack=stack,
+        relay_config=relay_config,
+        upstream=upstream,
+        upstream_tls=upstream_tls,
+        max_datagram_size=max_datagram_size,
+        max_connections=max_connections,
+        max_connections_per_address=max_connections_per_address,
+        timeout=timeout,
+        webtransport=webtransport,
+        idle_timeout=idle_timeout,
+        upstream_reconnect=upstream_reconnect,
+    )
 
 
-def connect(url: str, **options: Any) -> AbstractAsyncContextManager[MoqtClient]:
-    """A MOQT session with ``url`` on asyncio; options: :func:`._entry.client_session`."""
-    return client_session(open_endpoint, _resolve, url, **options)
+def connect(
+    url: str,
+    *,
+    tls: TlsConfig | None = None,
+    stack: str = DEFAULT_STACK,
+    timeout: float = 10.0,
+    max_datagram_size: int | None = None,
+    via: MoqtClient | None = None,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    reconnect: Backoff | None = None,
+    bind: str | None = None,
+) -> AbstractAsyncContextManager[MoqtClient]:
+    """A MOQT session with a server on asyncio, as an async context manager.
+
+    ``async with connect("moqt://127.0.0.1:4443", tls=trust) as client:`` gives a
+    set-up session (handshake and both SETUPs done); the block's end closes it.
+
+    Args:
+        url: ``moqt://host[:port][/path]`` (native QUIC, port 443 by default) or
+            ``https://host[:port]/path`` (WebTransport).
+        tls: trust for the server's certificate (a :class:`~.tls.TlsConfig` with
+            ``cafile``, or ``verify=False`` for local tests); default ``None``: the
+            system's roots.
+        stack: the QUIC implementation: ``"qh3"`` (the default), ``"aioquic"`` or
+            ``"pquic"``.
+        timeout: seconds for the handshake and SETUP, and for each reconnection
+            attempt (default 10).
+        max_datagram_size: the largest UDP payload QUIC sends, in octets
+            (default: the stack's).
+        via: open the session on the UDP socket and driver of this other client
+            (e.g. a second relay for one retrieval, ``retrieve_cache(..., also=...)``;
+            both must reach their servers from the same local address); default
+            ``None``: a socket of its own.
+        idle_timeout: QUIC's idle timeout in seconds (default 30; a quiet server is
+            PINGed, so only a dead one reaches it).
+        reconnect: a :class:`~.reconnect.Backoff`: once set up, a lost session is
+            opened again with it and the publications made on the client are
+            announced again; default ``None``: no reconnection.
+        bind: the local IP address to send from (default: 127.0.0.1 for a loopback
+            server, else any).
+
+    Returns:
+        An async context manager yielding the :class:`~.api.MoqtClient`.
+
+    Raises:
+        UrlError: ``url`` is not a ``moqt://`` or ``https://`` URL.
+        ConnectError: the name does not resolve, the connection fails, or the
+            server closes the session during setup (the message says why).
+        TlsError: ``tls`` names a missing or unusable file.
+        StackUnavailable: ``stack`` is unknown or not installed.
+        ValueError: an invalid ``idle_timeout``.
+    """
+    return client_session(
+        open_endpoint,
+        _resolve,
+        url,
+        tls=tls,
+        stack=stack,
+        timeout=timeout,
+        max_datagram_size=max_datagram_size,
+        via=via,
+        idle_timeout=idle_timeout,
+        reconnect=reconnect,
+        bind=bind,
+    )
 
 
 async def _resolve(host: str, port: int) -> Any:

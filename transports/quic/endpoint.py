@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-An event-loop driver (:mod:`.aio`, :mod:`.trio_driver`) owns a UDP socket and a
+An event-loop driver (:mod:`.asyncio_binding`, :mod:`.trio_binding`) owns a UDP socket and a
 clock and does only three things: hand every datagram it reads to
 :meth:`QuicEndpoint.receive_datagram`, call :meth:`QuicEndpoint.handle_timer`
 when :meth:`QuicEndpoint.get_timer` falls due, and after either (or after the
@@ -20,7 +20,7 @@ so both drivers (and any other loop) share it.
   :class:`~.pump.SessionPump`. The :class:`Application` (a relay, a
   publisher, a consumer, or several) is told of each new connection and gets
   every session event with ``now``; what it commands on any session goes out
-  in the same :meth:`service` call.
+  in the same :meth:`QuicEndpoint.service` call.
 * **Bounds.** At most ``max_connections`` connections, and at most
   ``max_connections_per_address`` (default :data:`DEFAULT_MAX_PER_ADDRESS`,
   and never more than a quarter of ``max_connections``) from one IP address,
@@ -31,7 +31,7 @@ so both drivers (and any other loop) share it.
   :data:`REFUSED_FULL`), logged as a warning; a retransmitted Initial of the
   same attempt gets the same answer again without new work (a bounded record).
   Each connection holds at most ``max_unsent`` unsent bytes in its stack;
-  :meth:`service` loops a bounded number of rounds.
+  :meth:`QuicEndpoint.service` loops a bounded number of rounds.
 * **Failure isolation.** Any exception raised while one connection is worked
   on (its stack, or what its events caused) ends that connection alone,
   logged (:meth:`~.pump.SessionPump.fail`); the endpoint and the other

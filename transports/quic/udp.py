@@ -68,8 +68,6 @@ system calls, GSO runs sent, datagrams received, receive system calls, and
 datagrams that arrived inside a GRO buffer.
 """
 
-from __future__ import annotations
-
 import contextlib
 import errno
 import functools

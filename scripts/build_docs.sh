@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The API reference: HTML built from the docstrings by pdoc, into docs/api/ (git-ignored).
+#
+#   pip install -e '.[docs]'       # pdoc
+#   bash scripts/build_docs.sh     # then open docs/api/index.html
+#
+# PYTHON chooses the interpreter (default: python3 on PATH, e.g. the active virtual
+# environment); KVCS_DOCS_OUT another output folder. It documents kvcs (the public
+# API), kvcs.trio, kvcs.transports, kvcs.adapters and kvcs_core, with their submodules.
+#
+# Warnings are errors, so the reference cannot silently rot:
+#   - pdoc runs under `python -W error`: a type annotation it cannot resolve (or any
+#     other warning while importing or rendering) fails the build;
+#   - scripts/check_doc_refs.py first fails on a docstring reference (:class:`...`,
+#     :func:`...`, :mod:`...`, ...) that names nothing: pdoc renders those as plain text
+#     without a warning.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+OUT="${KVCS_DOCS_OUT:-docs/api}"
+MODULES=(kvcs kvcs.trio kvcs.transports kvcs.adapters kvcs_core)
+
+"$PY" -c 'import pdoc' 2>/dev/null || {
+    echo "build_docs.sh: pdoc is not installed: pip install -e '.[docs]'" >&2
+    exit 2
+}
+"$PY" -W error scripts/check_doc_refs.py "${MODULES[@]}"
+rm -rf "$OUT"
+"$PY" -W error -m pdoc --docformat google --output-directory "$OUT" "${MODULES[@]}"
+echo "API reference: $OUT/index.html ($(find "$OUT" -name '*.html' | wc -l) pages)"
