@@ -270,6 +270,8 @@ def test_two_exclusive_options_in_one_place_are_an_error(tmp_path: Path) -> None
         ("[relais]\nstack = 'qh3'\n", "'relais' names no kvcs option (a table [name] must name"),
         ("relay = 3\n", "'relay' must be a table"),
         ("config = 'other.toml'\n", "'config' names no kvcs option"),
+        ("cache_budget = '1G'\n", "names no kvcs option (keys are long option names without "),
+        ("[relay]\n'--stack' = 'qh3'\n", "is no option of kvcs relay (keys are long option"),
         ("[relay]\nstack = 'quiche'\n", "[relay] stack: argument --stack: invalid choice: 'qu"),
         ("[relay]\ncache-budget = 'lots'\n", "argument --cache-budget: not a size: 'lots'"),
         ("[relay]\nidle-timeout = -1\n", "argument --idle-timeout: must be a positive number"),

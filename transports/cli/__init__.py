@@ -105,20 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", type=Path, default=argparse.SUPPRESS, metavar="FILE", help=config_help
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_parser = sub.add_parser
+    # every subcommand: -v and --config after it too, and where its options may come from
+    each: dict[str, Any] = {"parents": [common], "epilog": config.HELP_EPILOG}
 
-    def add_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        return _add_parser(name, epilog=config.HELP_EPILOG, **kwargs)
-
-    sub.add_parser = add_parser  # type: ignore[method-assign]
-
-    d = sub.add_parser(
-        "demo", help="relay + producer + consumers over QUIC on 127.0.0.1", parents=[common]
-    )
+    d = sub.add_parser("demo", help="relay + producer + consumers over QUIC on 127.0.0.1", **each)
     demo.add_options(d)
     add_transport_options(d)
 
-    r = sub.add_parser("relay", help="run a caching MOQT relay", parents=[common])
+    r = sub.add_parser("relay", help="run a caching MOQT relay", **each)
     r.add_argument(
         "--listen",
         default="127.0.0.1:4443",
@@ -157,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     add_transport_options(r)
 
-    p = sub.add_parser("publish", help="publish a KV cache through a relay", parents=[common])
+    p = sub.add_parser("publish", help="publish a KV cache through a relay", **each)
     p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     add_cache_options(p, role="publish")
     p.add_argument("--publication-id", metavar="HEX", help="16 octets (default: random)")
@@ -195,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(p)
     add_transport_options(p)
 
-    f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache", parents=[common])
+    f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache", **each)
     f.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     add_cache_options(f, role="fetch")
     f.add_argument(
@@ -248,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(f)
     add_transport_options(f)
 
-    ls = sub.add_parser("ls", help="list the namespaces announced under a prefix", parents=[common])
+    ls = sub.add_parser("ls", help="list the namespaces announced under a prefix", **each)
     ls.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     ls.add_argument(
         "--prefix",
@@ -269,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     desc = sub.add_parser(
         "descriptor",
         help="print the compatibility descriptor of a cache file (JSON)",
-        parents=[common],
+        **each,
     )
     desc.add_argument("cache", type=Path, metavar="CACHE", help=".npz or .safetensors cache file")
     desc.add_argument(
@@ -283,9 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as kvcs fetch --tokens-file reads them",
     )
 
-    check = sub.add_parser(
-        "selfcheck", help="encode and decode every MOQT byte vector", parents=[common]
-    )
+    check = sub.add_parser("selfcheck", help="encode and decode every MOQT byte vector", **each)
     check.add_argument(
         "--vectors",
         type=Path,

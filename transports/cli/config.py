@@ -302,7 +302,7 @@ def load_file(path: Path, parser: argparse.ArgumentParser, what: str = "--config
     for key, value in top.items():
         if key not in every:
             hint = " (a table [name] must name a command)" if isinstance(value, dict) else ""
-            raise CliError(f"{path}: {key!r} names no kvcs option{hint}", Exit.USAGE)
+            raise CliError(f"{path}: {key!r} names no kvcs option{hint or _hint(key)}", Exit.USAGE)
     base = path.parent
     out: FileSettings = {}
     for name in commands:
@@ -313,7 +313,8 @@ def load_file(path: Path, parser: argparse.ArgumentParser, what: str = "--config
         mine: dict[str, Setting] = {}
         for key, value in table.items():
             if key not in options:
-                raise CliError(f"{path}: [{name}] {key!r} is no option of kvcs {name}", Exit.USAGE)
+                message = f"{path}: [{name}] {key!r} is no option of kvcs {name}{_hint(key)}"
+                raise CliError(message, Exit.USAGE)
             mine[key] = from_toml(options[key], value, f"{path}: [{name}] {key}", base)
         shared = {
             key: from_toml(options[key], value, f"{path}: {key}", base)
@@ -322,6 +323,12 @@ def load_file(path: Path, parser: argparse.ArgumentParser, what: str = "--config
         }
         out[name] = (mine, shared)
     return out
+
+
+def _hint(key: str) -> str:
+    """For a key written with ``_`` or ``--``: the name it should have."""
+    fixed = key.lstrip("-").replace("_", "-")
+    return f" (keys are long option names without '--': {fixed!r})" if fixed != key else ""
 
 
 # --- the environment --------------------------------------------------------------------------
