@@ -457,3 +457,19 @@ def test_the_readmes_example_file_is_valid(tmp_path: Path) -> None:
         path.write_text(block)
         settings = cfg.load_file(path, build_parser())
         assert any(table or top for table, top in settings.values())
+
+
+def test_the_demos_relay_runs_what_the_demo_gives_it(tmp_path: Path) -> None:
+    """A user's ``[relay]`` table and ``KVCS_*`` relay options do not reach the relay that
+    ``kvcs demo`` starts (here they would make it refuse to start: --self-signed with
+    --cert, and a cache budget of 1 octet)."""
+    conf = tmp_path / "kvcs.toml"
+    conf.write_text('[relay]\ncert = "missing.pem"\nkey = "missing.pem"\n')
+    r = kvcs(
+        "demo", "--tokens", "32", "--layers", "2", "--timeout", "60",
+        env={"KVCS_CONFIG": str(conf), "KVCS_CACHE_BUDGET": "1", "KVCS_RUN_FOR": "0.1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    env = {"KVCS_CONFIG": "c", "KVCS_STACK": "qh3", "KVCS_UDP_GSO": "0", "PATH": "/bin"}
+    assert cfg.child_environment(env) == {"KVCS_UDP_GSO": "0", "PATH": "/bin"}

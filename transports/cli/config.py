@@ -358,6 +358,19 @@ def env_settings(
     return settings, unknown
 
 
+def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a ``kvcs`` process that this one starts with every option it
+    needs on its command line (``kvcs demo``'s relay): ``environ`` without
+    ``KVCS_CONFIG`` and the ``KVCS_<OPTION>`` variables, so that the child runs exactly
+    what it was given (a user's ``[relay]`` table must not turn the demo's relay into
+    theirs); the project's other switches (``KVCS_UDP_GSO``, ...) are kept."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if not name.startswith(ENV_PREFIX) or (is_reserved(name) and name != CONFIG_ENV)
+    }
+
+
 # --- putting it together ----------------------------------------------------------------------
 
 
