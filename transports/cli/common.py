@@ -291,7 +291,9 @@ def fetch_prompt(args: argparse.Namespace) -> Prompt:
             Exit.USAGE,
         )
     descriptor = load_descriptor(args.descriptor, "--descriptor")
-    return Prompt(descriptor, load_tokens(args.tokens_file), None)
+    tokens = load_tokens(args.tokens_file)
+    log.info("--tokens-file: no K/V to compare the result with (bit_identical is null)")
+    return Prompt(descriptor, tokens, None)
 
 
 def load_descriptor(path: Path, what: str) -> dict[str, Any]:
