@@ -15,8 +15,12 @@ Subcommands
 ``kvcs fetch URL``
     Retrieve the cache of a prompt (named by ``--file`` or the synthetic options),
     verify it, report, optionally write it (``--out``).
+``kvcs fetch URL --tokens-file TOKENS --descriptor DESC``
+    The same from the prompt's token IDs and the compatibility descriptor alone.
 ``kvcs ls URL``
     The namespaces announced under a prefix (default ``kvcs-1``).
+``kvcs descriptor CACHE``
+    A cache file's compatibility descriptor as JSON (``--tokens-out``: its tokens).
 ``kvcs selfcheck``
     The codec against the MOQT byte vectors (:mod:`.selfcheck`).
 
@@ -25,26 +29,34 @@ incomplete or different), 2 bad arguments, 3 network (unreachable, refused,
 lost, address in use), 4 TLS (certificate or key), 5 files, 130 interrupted.
 Every error is one line on stderr (``kvcs: error: ...``); ``-v`` adds debug
 logging (the standard ``logging`` module, logger names ``kvcs.*``).
+
+Every option may also come from ``KVCS_<OPTION>`` environment variables and a TOML
+file (``--config``); the command line wins, then the environment, then the file
+(:mod:`.config`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from kvcs.adapters.cachefile import file_kind
 from kvcs_core.wire.codes import ALPN
 
-from . import commands, demo
+from . import commands, config, demo
 from .common import (
+    CliError,
     Exit,
     add_cache_options,
     add_client_tls_options,
     add_transport_options,
+    descriptor_command,
     fail,
     quiet_broken_pipe,
     run,
@@ -63,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcs",
         description="Stream LLM KV caches layer by layer over MOQT (draft-22).",
+        epilog=config.HELP_EPILOG,
     )
     parser.add_argument(
         "--version", action="version", version=f"kvcs {_version()} (MOQT draft-22, ALPN {ALPN})"
@@ -74,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="more logging on stderr (-v info, -vv debug)",
     )
+    config_help = (
+        f"read options from this TOML file (default: ${config.CONFIG_ENV}, else none); "
+        "the command line and KVCS_* variables win over it"
+    )
+    parser.add_argument("--config", type=Path, metavar="FILE", help=config_help)
     # the common options are accepted after the subcommand too (kvcs relay -v ...)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -83,15 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="more logging on stderr (-v info, -vv debug)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    d = sub.add_parser(
-        "demo", help="relay + producer + consumers over QUIC on 127.0.0.1", parents=[common]
+    common.add_argument(
+        "--config", type=Path, default=argparse.SUPPRESS, metavar="FILE", help=config_help
     )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # every subcommand: -v and --config after it too, and where its options may come from
+    each: dict[str, Any] = {"parents": [common], "epilog": config.HELP_EPILOG}
+
+    d = sub.add_parser("demo", help="relay + producer + consumers over QUIC on 127.0.0.1", **each)
     demo.add_options(d)
     add_transport_options(d)
 
-    r = sub.add_parser("relay", help="run a caching MOQT relay", parents=[common])
+    r = sub.add_parser("relay", help="run a caching MOQT relay", **each)
     r.add_argument(
         "--listen",
         default="127.0.0.1:4443",
@@ -130,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     add_transport_options(r)
 
-    p = sub.add_parser("publish", help="publish a KV cache through a relay", parents=[common])
+    p = sub.add_parser("publish", help="publish a KV cache through a relay", **each)
     p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     add_cache_options(p, role="publish")
     p.add_argument("--publication-id", metavar="HEX", help="16 octets (default: random)")
@@ -168,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(p)
     add_transport_options(p)
 
-    f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache", parents=[common])
+    f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache", **each)
     f.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     add_cache_options(f, role="fetch")
     f.add_argument(
@@ -221,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(f)
     add_transport_options(f)
 
-    ls = sub.add_parser("ls", help="list the namespaces announced under a prefix", parents=[common])
+    ls = sub.add_parser("ls", help="list the namespaces announced under a prefix", **each)
     ls.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     ls.add_argument(
         "--prefix",
@@ -239,9 +260,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_options(ls)
     add_transport_options(ls)
 
-    check = sub.add_parser(
-        "selfcheck", help="encode and decode every MOQT byte vector", parents=[common]
+    desc = sub.add_parser(
+        "descriptor",
+        help="print the compatibility descriptor of a cache file (JSON)",
+        **each,
     )
+    desc.add_argument("cache", type=Path, metavar="CACHE", help=".npz or .safetensors cache file")
+    desc.add_argument(
+        "--out", type=Path, metavar="PATH", help="write the JSON to PATH instead of stdout"
+    )
+    desc.add_argument(
+        "--tokens-out",
+        type=Path,
+        metavar="PATH",
+        help="also write the cache's token IDs (.npy, .json, or text for any other name), "
+        "as kvcs fetch --tokens-file reads them",
+    )
+
+    check = sub.add_parser("selfcheck", help="encode and decode every MOQT byte vector", **each)
     check.add_argument(
         "--vectors",
         type=Path,
@@ -256,16 +292,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # the command line, then KVCS_* variables, then the --config file, then defaults
+        args, sources = config.parse_args(build_parser, argv, os.environ)
+    except CliError as exc:
+        return fail(str(exc), exc.status)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(
         level=level, format="kvcs: %(levelname)s: %(name)s: %(message)s", stream=sys.stderr
     )
     if args.verbose < 2:
         logging.getLogger("quic").setLevel(logging.ERROR)  # aioquic's per-packet chatter
+    for key, where in sources.items():
+        logging.getLogger("kvcs.cli").info("--%s from %s", key, where)
     try:
         with quiet_broken_pipe():
+            if args.command == "descriptor":
+                return descriptor_command(args)
             if args.command == "selfcheck":
                 if args.vectors is not None and (kind := file_kind(args.vectors)) is not None:
                     return fail(f"--vectors: {args.vectors}: {kind}", Exit.FILE)
@@ -278,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "demo": demo.demo,
             }[args.command]
             return run(args, lambda b: job(b, args))
+    except CliError as exc:
+        return fail(str(exc), exc.status)
     except KeyboardInterrupt:
         print("kvcs: interrupted", file=sys.stderr)
         return Exit.INTERRUPTED

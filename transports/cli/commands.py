@@ -27,7 +27,6 @@ from cryptography.hazmat.primitives import serialization
 
 from kvcs.adapters.cachefile import (
     CacheFileError,
-    CacheLayers,
     check_out_path,
     destination_layers,
     same_bits,
@@ -56,8 +55,10 @@ from .common import (
     CliError,
     Exit,
     Progress,
+    Prompt,
     cache_source,
     client_tls,
+    fetch_prompt,
     format_namespace,
     full_blocks,
     json_line,
@@ -377,11 +378,11 @@ def load_producer_keys(args: argparse.Namespace) -> dict[bytes, Any] | None:
 
 
 async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
-    source = cache_source(args)  # the prompt (and, for --verify, the expected bits)
-    tokens = source.tokens if args.prompt_tokens is None else source.tokens[: args.prompt_tokens]
+    prompt = fetch_prompt(args)  # the prompt (and, for --verify, the expected bits if known)
+    tokens = prompt.tokens if args.prompt_tokens is None else prompt.tokens[: args.prompt_tokens]
     key = scope_key(args)
     keys = load_producer_keys(args)
-    cd = source.cd
+    cd = prompt.cd
     if args.out is not None:  # before any transfer: a name we would not write exactly, or
         try:  # a place that cannot be written
             check_out_path(args.out)
@@ -412,7 +413,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
         ]
         t0 = time.monotonic()
         retrieval = client.retrieve_cache(
-            source.descriptor,
+            prompt.descriptor,
             key,
             tokens,
             also=others,
@@ -430,7 +431,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             raise ConnectError(
                 f"connection to {client.target} closed: {client.pump.close_reason or 'lost'}"
             )
-    return finish_fetch(args, source, dest, outcome)
+    return finish_fetch(args, prompt, dest, outcome)
 
 
 async def follow(
@@ -495,20 +496,20 @@ def _warn_discarded(retrieval: CacheRetrieval, seen: int, args: argparse.Namespa
 
 
 def finish_fetch(
-    args: argparse.Namespace, source: CacheLayers, dest: KvDestination, outcome: dict[str, Any]
+    args: argparse.Namespace, prompt: Prompt, dest: KvDestination, outcome: dict[str, Any]
 ) -> int:
     result: RetrievalComplete | None = outcome["result"]
-    cd = source.cd
+    cd = prompt.cd
     blocks = result.blocks if result is not None else 0
     tokens = blocks * cd.block_tokens
     complete = bool(result and result.complete and blocks > 0)
-    identical: bool | None = None
-    if complete and args.verify:  # the source read one layer at a time, beside dest
-        identical = same_bits(source, dest, tokens)
+    identical: bool | None = None  # (None: not compared; --tokens-file has no K/V to compare)
+    if complete and args.verify and prompt.source is not None:  # read a layer at a time
+        identical = same_bits(prompt.source, dest, tokens)
     if complete and args.out is not None:  # written layer by layer from dest
         try:
             k, v = destination_layers(dest, tokens)
-            save_layers(args.out, source.descriptor, source.tokens[:tokens], k, v)
+            save_layers(args.out, prompt.descriptor, prompt.tokens[:tokens], k, v)
         except CacheFileError as exc:
             raise CliError(str(exc), Exit.FILE) from None
     total = outcome["total"]

@@ -1,23 +1,31 @@
-"""Shared pieces of the ``kvcs`` subcommands: options, exit codes, errors, loops, progress."""
+"""Shared pieces of the ``kvcs`` subcommands: options, exit codes, errors, loops, progress,
+and what a command reads: a cache (``--file`` or synthetic), or a prompt alone (its token
+IDs from ``--tokens-file`` and its compatibility descriptor from ``--descriptor``), which
+:func:`descriptor_command` (``kvcs descriptor CACHE``) extracts from a cache file."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import os
+import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import attrs
+import numpy as np
 import trio
 
 from kvcs.adapters.cachefile import (
+    MAX_TOKENS,
     CacheFileError,
     CacheLayers,
     file_kind,
@@ -31,6 +39,7 @@ from kvcs.transports.quic.config import DEFAULT_IDLE_TIMEOUT, UrlError
 from kvcs.transports.quic.groups import single_errors
 from kvcs.transports.quic.stack import DEFAULT_STACK, STACKS, StackUnavailable
 from kvcs.transports.quic.tls import TlsConfig, TlsError
+from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 from kvcs_core.wire.names import TrackNamespace
 
 log = logging.getLogger("kvcs.cli")
@@ -141,6 +150,22 @@ def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
         action="store_true",
         help="a synthetic Llama-shaped cache (the default when no --file)",
     )
+    if role == "fetch":
+        src.add_argument(
+            "--tokens-file",
+            type=Path,
+            metavar="PATH",
+            help="the prompt's token IDs alone (.npy: a 1-D integer array; .json: a list "
+            "of integers; any other name: integers separated by whitespace); with "
+            "--descriptor, instead of a cache file (nothing to compare with)",
+        )
+        g.add_argument(
+            "--descriptor",
+            type=Path,
+            metavar="PATH",
+            help="with --tokens-file: the compatibility descriptor, a JSON file (as "
+            "'kvcs descriptor CACHE' prints it) or a .npz/.safetensors cache file holding it",
+        )
     g.add_argument("--layers", type=int, default=32)
     g.add_argument("--kv-heads", type=int, default=8)
     g.add_argument("--head-dim", type=int, default=128)
@@ -149,12 +174,13 @@ def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
     g.add_argument("--tokens", type=int, default=256, help="prompt length of the synthetic cache")
     g.add_argument("--seed", type=int, default=1, help="seed of the synthetic cache")
     k = p.add_argument_group("keys")
-    k.add_argument(
+    scope = k.add_mutually_exclusive_group()  # (one claims both in --config / KVCS_*)
+    scope.add_argument(
         "--scope-key",
         metavar="HEX",
         help="32-octet scope key in hex (default: all zeros, for demos only)",
     )
-    k.add_argument(
+    scope.add_argument(
         "--scope-key-file",
         type=Path,
         metavar="FILE",
@@ -226,6 +252,190 @@ def cache_source(args: argparse.Namespace) -> CacheLayers:
         return synthetic_layers(desc, args.tokens, args.seed)
     except ValueError as exc:
         raise CliError(f"bad synthetic cache shape: {exc}", Exit.USAGE) from None
+
+
+# --- a prompt without its cache: --tokens-file and --descriptor ----------------------------
+
+
+@attrs.frozen(eq=False)
+class Prompt:
+    """What ``kvcs fetch`` asks for: a descriptor and the prompt's token IDs, and the K
+    and V to compare the result with when the input has them (``--file``, the synthetic
+    options), ``None`` when it has not (``--tokens-file``)."""
+
+    descriptor: dict[str, Any]
+    tokens: tuple[int, ...]
+    source: CacheLayers | None
+
+    @property
+    def cd(self) -> CompatibilityDescriptor:
+        return CompatibilityDescriptor(dict(self.descriptor))
+
+
+def fetch_prompt(args: argparse.Namespace) -> Prompt:
+    """The prompt of ``kvcs fetch``: ``--tokens-file`` with ``--descriptor``, else
+    :func:`cache_source`."""
+    if args.tokens_file is None:
+        if args.descriptor is not None:
+            raise CliError(
+                "--descriptor goes with --tokens-file (a cache file and the synthetic "
+                "options carry their own)",
+                Exit.USAGE,
+            )
+        source = cache_source(args)
+        return Prompt(dict(source.descriptor), source.tokens, source)
+    if args.descriptor is None:
+        raise CliError(
+            "--tokens-file needs --descriptor (the compatibility descriptor of the cache: "
+            "a JSON file, or a cache file holding it)",
+            Exit.USAGE,
+        )
+    descriptor = load_descriptor(args.descriptor, "--descriptor")
+    tokens = load_tokens(args.tokens_file)
+    log.info("--tokens-file: no K/V to compare the result with (bit_identical is null)")
+    return Prompt(descriptor, tokens, None)
+
+
+def load_descriptor(path: Path, what: str) -> dict[str, Any]:
+    """A compatibility descriptor from a JSON file holding the object, or from a
+    ``.npz`` / ``.safetensors`` cache file (its metadata: K and V are not read).
+
+    Raises:
+        CliError: status 5: missing, unreadable, not JSON, not a valid descriptor.
+    """
+    if path.suffix in (".npz", ".safetensors"):
+        try:
+            return dict(open_layers(path).descriptor)
+        except CacheFileError as exc:
+            raise CliError(f"{what}: {exc}", Exit.FILE) from None
+    raw = read_file(path)
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CliError(f"{what}: {path}: not a JSON file ({exc})"[:300], Exit.FILE) from None
+    if not isinstance(value, dict):
+        raise CliError(f"{what}: {path}: not a JSON object", Exit.FILE)
+    try:
+        CompatibilityDescriptor(value)
+    except ValueError as exc:
+        message = f"{what}: {path}: not a compatibility descriptor: {exc}"
+        raise CliError(message, Exit.FILE) from None
+    return value
+
+
+_MAX_TOKENS_FILE = 16 * MAX_TOKENS
+"""The largest tokens file read (256 MiB: room for :data:`MAX_TOKENS` in any format)."""
+_DECIMAL = re.compile(r"[0-9]+")
+
+
+def load_tokens(path: Path) -> tuple[int, ...]:
+    """Token IDs from ``path``, by its suffix: ``.npy`` a 1-D integer array, ``.json`` an
+    array of integers, anything else integers in decimal separated by whitespace.
+
+    Raises:
+        CliError: status 5 when the file cannot be read as its format (missing, not a
+            regular file, larger than 256 MiB, not an ``.npy`` / JSON / UTF-8 text);
+            status 2 when it reads but does not hold token IDs (not integers, not
+            1-D, outside u32, more than :data:`MAX_TOKENS`).
+    """
+    what = f"--tokens-file {path}"
+    kind = file_kind(path)
+    if kind is not None:
+        raise CliError(f"{what}: {kind}", Exit.FILE)
+    try:
+        if path.stat().st_size > _MAX_TOKENS_FILE:
+            raise CliError(f"{what}: larger than {_MAX_TOKENS_FILE} octets", Exit.FILE)
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CliError(f"{what}: cannot read it: {exc.strerror or exc}", Exit.FILE) from None
+    values: list[Any]
+    if path.suffix == ".npy":
+        if not raw.startswith(b"\x93NUMPY"):
+            raise CliError(f"{what}: not an .npy file", Exit.FILE)
+        try:
+            array = np.load(io.BytesIO(raw), allow_pickle=False)
+        except Exception as exc:  # numpy raises many kinds on a malformed file
+            raise CliError(f"{what}: not a valid .npy file ({exc})"[:300], Exit.FILE) from None
+        if array.ndim != 1 or array.dtype.kind not in "ui":
+            raise CliError(
+                f"{what}: must hold a 1-D integer array, not {array.dtype} of shape {array.shape}",
+                Exit.USAGE,
+            )
+        values = array.tolist()
+    else:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CliError(f"{what}: not UTF-8 text", Exit.FILE) from None
+        if path.suffix == ".json":
+            try:
+                values = json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise CliError(f"{what}: not a JSON file ({exc})"[:300], Exit.FILE) from None
+            if not isinstance(values, list):
+                raise CliError(f"{what}: must hold a JSON array of integers", Exit.USAGE)
+            for i, t in enumerate(values):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise CliError(
+                        f"{what}: item {i} is not an integer: {json.dumps(t)[:40]}", Exit.USAGE
+                    )
+        else:
+            words = text.split()
+            for i, word in enumerate(words):
+                if not _DECIMAL.fullmatch(word):
+                    raise CliError(
+                        f"{what}: word {i + 1} is not a token ID (a decimal integer): "
+                        f"{word[:40]!r}",
+                        Exit.USAGE,
+                    )
+            values = [int(w) for w in words]
+    if len(values) > MAX_TOKENS:
+        raise CliError(f"{what}: {len(values)} tokens, more than {MAX_TOKENS}", Exit.USAGE)
+    for i, t in enumerate(values):
+        if not 0 <= t < 1 << 32:
+            raise CliError(f"{what}: token {i} ({t}) is outside 0..2**32-1", Exit.USAGE)
+    return tuple(int(t) for t in values)
+
+
+def write_tokens(path: Path, tokens: Sequence[int]) -> None:
+    """Token IDs to ``path`` in the format :func:`load_tokens` reads by its suffix (``.npy``:
+    ``uint32``).
+
+    Raises:
+        CliError: status 5: the file cannot be written.
+    """
+    try:
+        if path.suffix == ".npy":
+            with path.open("wb") as f:  # a file object: numpy would append .npy to a name
+                np.save(f, np.asarray(tokens, dtype=np.uint32), allow_pickle=False)
+        elif path.suffix == ".json":
+            path.write_text(json.dumps(list(tokens)) + "\n", encoding="utf-8")
+        else:
+            path.write_text(" ".join(map(str, tokens)) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc.strerror or exc}", Exit.FILE) from None
+
+
+def descriptor_command(args: argparse.Namespace) -> int:
+    """``kvcs descriptor CACHE``: the cache file's descriptor as JSON (stdout or ``--out``),
+    and with ``--tokens-out`` its token IDs: what a consumer's ``kvcs fetch --tokens-file
+    --descriptor`` needs."""
+    try:
+        cache = open_layers(args.cache)
+    except CacheFileError as exc:
+        raise CliError(str(exc), Exit.FILE) from None
+    text = json.dumps(cache.descriptor, indent=2, sort_keys=True) + "\n"
+    if args.out is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        try:
+            args.out.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise CliError(f"cannot write {args.out}: {exc.strerror or exc}", Exit.FILE) from None
+    if args.tokens_out is not None:
+        write_tokens(args.tokens_out, cache.tokens)
+    return Exit.OK
 
 
 _MAX_SMALL_FILE = 1 << 20

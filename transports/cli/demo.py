@@ -47,6 +47,7 @@ from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.consumer import ManifestAccepted, ObjectDiscarded, PublicationSelected
 
 from .common import CliError, Exit, Progress
+from .config import child_environment
 
 SCOPE_KEY = bytes(range(32))
 RELAY_START_TIMEOUT = 30.0
@@ -158,7 +159,8 @@ async def relay_url(b: ModuleType, args: argparse.Namespace) -> AsyncIterator[st
     if args.datagram_size:
         cmd += ["--datagram-size", str(args.datagram_size)]
     cmd += ["--idle-timeout", str(args.idle_timeout)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+    env = child_environment(os.environ)  # its options are all on its command line
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
     try:
         line = await wait_line(b, proc)
         yield json.loads(line)["url"]
