@@ -324,7 +324,13 @@ class MoqtClient:
     async def discover(
         self, prefix: TrackNamespace, *, quiet: float = 0.3, timeout: float = 5.0
     ) -> list[TrackNamespace]:
-        """SUBSCRIBE_NAMESPACE ``prefix``; the namespaces announced until ``quiet`` s pass."""
+        """SUBSCRIBE_NAMESPACE ``prefix``; the namespaces announced until ``quiet`` s pass.
+
+        Raises:
+            ConnectError: the request was refused, not answered within ``timeout`` s, or
+                the connection closed before the listing was over (an answered request
+                whose session then closes is not a complete listing).
+        """
         found: list[TrackNamespace] = []
         state: dict[str, Any] = {"rid": None, "answered": False, "failed": None}
         last = [self.driver.now()]
@@ -369,7 +375,7 @@ class MoqtClient:
             if state["failed"] is not None:
                 e = state["failed"]
                 raise ConnectError(f"SUBSCRIBE_NAMESPACE refused: {e.reason} (code {e.code})")
-            if not state["answered"] and self.closed:
+            if self.closed:  # answered or not, the listing was cut short: never a success
                 raise ConnectError(f"connection closed: {_closed_reason(self.pump)}")
             if not state["answered"]:
                 raise ConnectError(f"no answer to SUBSCRIBE_NAMESPACE within {timeout:g} s")
