@@ -10,6 +10,7 @@ upstream connection, the client session, waiting for setup, closing) is here.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -47,6 +48,7 @@ async def relay_server(
     webtransport: bool = True,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[RelayServer]:
     """A caching relay on ``listen`` (``host:port``), as an async context manager
     (``serve_relay`` of a binding).
@@ -63,7 +65,9 @@ async def relay_server(
     PING a quiet peer, so only dead ones reach it), ``upstream_reconnect`` (the
     :class:`~.reconnect.Backoff` with which a lost upstream session is reopened,
     forever by default; ``None``: never; the relay core asks the new session again
-    for what its downstream peers wait for).
+    for what its downstream peers wait for), ``qlog_dir`` (a directory: each QUIC
+    connection, the upstream link's included, writes a qlog file there when it ends,
+    :mod:`.qlog`; aioquic and qh3 only).
     """
     host, port = parse_hostport(listen)
     endpoint = relay_endpoint(
@@ -75,6 +79,7 @@ async def relay_server(
         max_connections_per_address=max_connections_per_address,
         webtransport=webtransport,
         idle_timeout=idle_timeout,
+        qlog_dir=qlog_dir,
     )
     async with open_endpoint(endpoint, host, port) as driver:
         parent = None
@@ -111,6 +116,7 @@ async def client_session(
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     reconnect: Backoff | None = None,
     bind: str | None = None,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[MoqtClient]:
     """A MOQT session with the server at ``moqt://host:port[/path]`` (native QUIC) or
     ``https://host:port/path`` (WebTransport), as an async context manager
@@ -125,7 +131,9 @@ async def client_session(
     :class:`~.reconnect.Backoff`: once set up, a lost session is reopened with it and
     the publications made on the client are announced again; default ``None``: no
     reconnection), ``bind`` (the local IP address to send from; default: 127.0.0.1
-    for a loopback server, else any).
+    for a loopback server, else any), ``qlog_dir`` (a directory: the QUIC connection
+    writes a qlog file there when it ends, :mod:`.qlog`; aioquic and qh3 only; with
+    ``via``, the other client's endpoint decides).
 
     A connection that fails, or whose session the server closes during setup, raises
     :class:`~.api.ConnectError` with the reason.
@@ -137,7 +145,9 @@ async def client_session(
             driver, app = via.driver, via.app
         else:
             app = ClientApp()
-            endpoint = client_endpoint(stack=stack, app=app, idle_timeout=idle_timeout)
+            endpoint = client_endpoint(
+                stack=stack, app=app, idle_timeout=idle_timeout, qlog_dir=qlog_dir
+            )
             if bind is None:
                 loopback = is_loopback(addr[0])
                 bind = "127.0.0.1" if loopback else ("::" if ":" in addr[0] else "0.0.0.0")
