@@ -35,6 +35,7 @@ from test_cli_processes import (
     one_error_line,
     procs,  # noqa: F401  (the fixture)
     read_event,
+    read_line,
 )
 
 LAYERS = 6
@@ -145,12 +146,20 @@ def test_relay_metrics_stats_and_client_progress(procs: Procs, tmp_path: Path) -
     assert after["kvcs_relay_objects_sent_total"] >= 2 * LAYERS * BLOCKS
     assert after["kvcs_relay_cache_bytes"] >= LAYERS * LAYER_BYTES
 
+    # the relay's lines so far, up to a 'stats' line written after both clients left
+    relay_lines: list[dict[str, Any]] = []
+    while not any(
+        line["event"] == "stats" and line["connections"] == 0 and line["sessions_added"] == 2
+        for line in relay_lines
+    ):
+        relay_lines.append(json.loads(read_line(relay, 10, "a 'stats' line")))
     os.kill(relay.pid, signal.SIGTERM)
-    relay_lines = json_lines(procs.finish(relay, 30))
+    relay_lines += json_lines(procs.finish(relay, 30))
     assert relay.returncode == 0, procs.stderr("relay")
     stats = [line for line in relay_lines if line["event"] == "stats"]
-    assert stats and stats[-1]["connections"] == 0 and stats[-1]["sessions_added"] == 2
     assert stats[-1]["bytes_in"] == after["kvcs_relay_bytes_received_total"]
+    assert stats[-1]["objects_out"] == after["kvcs_relay_objects_sent_total"]
+    assert [line["seconds"] for line in stats] == sorted(line["seconds"] for line in stats)
     ended = [line for line in relay_lines if line["event"] == "connection_ended"]
     assert len(ended) == 2, relay_lines
     for line in ended:

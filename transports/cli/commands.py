@@ -4,7 +4,12 @@ Each command is one coroutine written against a binding module
 (:mod:`kvcs.transports.quic.asyncio_binding` or :mod:`kvcs.transports.quic.trio_binding`,
 chosen by ``--loop``), so every command runs on either loop. Output for people
 goes to stdout (and progress bars to stderr on a terminal); ``--json`` prints one
-JSON object per line instead, for scripts.
+JSON object per line instead, for scripts: streamed ``progress`` lines while
+``publish`` and ``fetch`` run (:mod:`.progress`), and from ``relay`` periodic
+``stats`` lines and one ``connection_ended`` line per connection that ends.
+``relay --metrics`` serves the same counters to Prometheus
+(:mod:`kvcs.transports.quic.metrics`); ``--qlog-dir`` writes a qlog per QUIC
+connection (:mod:`kvcs.transports.quic.qlog`).
 """
 
 from __future__ import annotations
@@ -377,6 +382,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         progress = TransferProgress("publishing", cd.layers, json_lines=args.json, emit=json_line)
         state = {"layers": 0, "bytes": 0, "layer_bytes": 0}
         done = [False]
+        ended = [0.0]
 
         def sample() -> Sample:
             per_layer = state["layer_bytes"]
@@ -404,15 +410,16 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                     progress.update(sample())
                     if args.layer_interval:
                         await _wait(b, args.layer_interval)
+                await pub.finish()
+                await pub.drained(timeout=None if args.serve_for is None else args.serve_for + 60)
+                ended[0] = time.monotonic()
             finally:
                 done[0] = True
 
         await b.gather(produce, lambda: tick(b.sleep, progress, sample, lambda: done[0]))
-        await pub.finish()
-        await pub.drained(timeout=None if args.serve_for is None else args.serve_for + 60)
         progress.finish(sample())
         nbytes = pub.publisher.total_bytes
-        seconds = round(time.monotonic() - t0, 3)
+        seconds = round(ended[0] - t0, 3)
         extra = {}
         if args.digest:
             # the layers are read once more (one at a time), after the timing
@@ -579,7 +586,7 @@ async def follow(
     """Wait for the retrieval's end, with progress; the figures of the report."""
     progress = TransferProgress("fetching", layers, json_lines=args.json, emit=json_line, start=t0)
     consumer = retrieval.consumer
-    state: dict[str, Any] = {"first": None, "seen": 0, "done": False, "result": None}
+    state: dict[str, Any] = {"first": None, "seen": 0, "done": False, "result": None, "end": t0}
 
     def sample() -> Sample:
         verified = consumer.verified_objects
@@ -603,6 +610,7 @@ async def follow(
         except TimeoutError:
             state["result"] = None
         finally:
+            state["end"] = time.monotonic()
             state["done"] = True
 
     await b.gather(wait, lambda: tick(b.sleep, progress, sample, lambda: bool(state["done"])))
@@ -613,7 +621,7 @@ async def follow(
     _warn_discarded(retrieval, seen, args)
     for e in retrieval.events:
         log.debug("consumer event: %s", e)
-    total = time.monotonic() - t0
+    total = float(state["end"]) - t0  # the end of the retrieval, not of the ticker
     return {
         "result": result,
         "first": first,

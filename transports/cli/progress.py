@@ -201,23 +201,36 @@ def _print_json(**fields: Any) -> None:
     print(json.dumps(fields, separators=(",", ":")), flush=True)
 
 
+TICK_STEP = 0.05
+"""The longest :func:`tick` sleeps at once: how late it notices that the transfer ended."""
+
+
 async def tick(
     sleep: Callable[[float], Awaitable[None]],
     progress: TransferProgress,
     sample: Callable[[], Sample],
     stop: Callable[[], bool],
+    clock: Callable[[], float] | None = None,
 ) -> None:
     """Offer ``progress`` a fresh sample every ``progress.interval`` seconds until
-    ``stop()``; returns at once when nothing is shown."""
+    ``stop()``, looking at ``stop()`` every :data:`TICK_STEP` seconds (so that whoever
+    waits for both the transfer and this returns soon after the transfer ended);
+    returns at once when nothing is shown."""
     if not progress.enabled:
         return
+    now = clock or progress.clock
+    step = min(TICK_STEP, progress.interval)
+    next_at = now()
     while not stop():
-        progress.update(sample())
-        await sleep(progress.interval)
+        if now() >= next_at:
+            progress.update(sample())
+            next_at = now() + progress.interval
+        await sleep(step)
 
 
 __all__ = [
     "DEFAULT_INTERVAL",
+    "TICK_STEP",
     "Sample",
     "TransferProgress",
     "bar_text",
