@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -102,7 +103,7 @@ def test_relay_metrics_stats_and_client_progress(procs: Procs, tmp_path: Path) -
     mport = _free_tcp_port()
     relay, url, _ = procs.relay(
         "relay", "--metrics", f"127.0.0.1:{mport}", "--stats-interval", "0.5",
-        "--qlog-dir", str(tmp_path / "qlog-relay"),
+        "--qlog-dir", str(tmp_path / "qlog-relay"), verbose=True,
     )  # fmt: skip
     metrics = f"http://127.0.0.1:{mport}/metrics"
     idle = _scrape(metrics)
@@ -166,6 +167,10 @@ def test_relay_metrics_stats_and_client_progress(procs: Procs, tmp_path: Path) -
         assert line["connection"].startswith("server#") and line["upstream"] is False
         assert line["peer"].startswith("127.0.0.1:")
         assert line["ended_by"] and line["reason"], line  # who, and why
+        # and at -v, the same in the log (stderr), once per connection
+        logged = f"{line['connection']}: connection with {line['peer']} ended, {line['ended_by']}"
+        assert procs.stderr("relay").count(logged) == 1, procs.stderr("relay")
+    assert re.search(r"relay: 0 connections, \d+ tracks, cache \d+ bytes", procs.stderr("relay"))
 
     for name in ("qlog-relay", "qlog-pub", "qlog-fetch"):
         files = sorted((tmp_path / name).glob("*.qlog"))
