@@ -134,3 +134,40 @@ def test_cli_unusable_qlog_dir_is_a_file_error(tmp_path: Path) -> None:
     )  # fmt: skip
     assert got.returncode == 5, got.stderr
     assert "--qlog-dir" in _one_error(got.stderr)
+
+
+async def _refused_handshake(stack: str, tls: TlsConfig, relay_dir: Path) -> None:
+    async with b.serve_relay(
+        "127.0.0.1:0",
+        tls=tls,
+        stack=stack,
+        max_connections=8,
+        max_connections_per_address=1,
+        qlog_dir=relay_dir,
+    ) as server:
+        trust = TlsConfig(cafile=tls.cafile)
+        async with b.connect(server.url, tls=trust, stack=stack, timeout=WAIT):
+            with pytest.raises(b.ConnectError, match="too many connections"):
+                async with b.connect(server.url, tls=trust, stack=stack, timeout=WAIT):
+                    pass
+            # the refused attempt's trace is written at once, not held in memory; the
+            # open connection's trace is the only one held
+            (refused,) = _qlogs(relay_dir)
+            trace = _check_qlog_events(refused, "server")
+            assert any(e["name"] == "transport:packet_sent" for e in trace["events"])
+            logger = server.driver.endpoint.configuration.quic_logger
+            assert len(logger._traces) == 1
+
+
+def _check_qlog_events(path: Path, vantage: str) -> dict[str, Any]:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    (trace,) = doc["traces"]
+    assert trace["vantage_point"]["type"] == vantage
+    return dict(trace)
+
+
+@pytest.mark.parametrize("stack", ["qh3", "aioquic"])
+def test_a_refused_handshake_writes_its_qlog_at_once(
+    stack: str, tls: TlsConfig, tmp_path: Path
+) -> None:
+    asyncio.run(asyncio.wait_for(_refused_handshake(stack, tls, tmp_path / "q"), 60))

@@ -407,6 +407,12 @@ class QuicEndpoint:
                 quic.receive_datagram(data, addr, now)
                 quic.close(error_code=CONNECTION_REFUSED, frame_type=0, reason_phrase=reason)
                 answer = [d for d, _ in self.stack.datagrams_to_send(quic, now)]
+                logger = getattr(self.configuration, "quic_logger", None)
+                trace = getattr(quic, "_quic_logger", None)
+                if logger is not None and trace is not None:
+                    # with qlog on (.qlog): this connection is dropped here, so its
+                    # trace is written now instead of being held forever
+                    logger.end_trace(trace)
             except Exception as exc:  # the refusal is best effort: the peer then times out
                 log.debug("refusal to %s not built: %s", addr, exc)
             if len(self._refusals) >= MAX_REFUSALS_REMEMBERED:
