@@ -23,7 +23,9 @@ renamed, so a reader never sees half a file. A trace that cannot be written
 connection.
 
 A connection's trace is held in memory until it ends (the stacks build it that
-way), so qlog is for diagnosing, not for long transfers left running.
+way), so qlog is for diagnosing, not for long transfers left running. A
+handshake the endpoint refuses over a connection limit is never a connection
+of its own: :mod:`.endpoint` ends its trace at once, so it is written, not held.
 picoquic (``stack="pquic"``) has its own qlog, which aiopquic does not expose:
 :func:`qlog_logger` refuses that stack with :class:`QlogUnsupported`.
 """
