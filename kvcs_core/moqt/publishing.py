@@ -345,6 +345,11 @@ class Publisher:
         """While set, objects appended to this store are *restores* (module docstring)."""
         self._prefixes: dict[tuple[int, int], bytes] = {}
         self._max_queued = config.max_queued_bytes_per_subscription
+        self.objects_sent = 0
+        """Objects handed to the transport so far (subscriptions, fills, FETCHes,
+        datagrams); an object cut across pulls counts once, at its first byte."""
+        self.payload_bytes_sent = 0
+        """Payload bytes of those objects (headers and properties not counted)."""
 
     @property
     def queued_bytes(self) -> int:
@@ -749,6 +754,8 @@ class Publisher:
             sender.enqueued.popleft()
             self._dequeued(sender.served, obj)
             out = self._datagram(sender.served, obj)
+            self.objects_sent += 1
+            self.payload_bytes_sent += obj.size
             if not sender.queue and sender.fin_when_drained:
                 self._mark_finished(sender)  # no stream to FIN: the flow just ends
             return out
@@ -802,6 +809,8 @@ class Publisher:
                     return self._fin(sender)
                 break
             objects += 1
+            self.objects_sent += 1
+            self.payload_bytes_sent += nxt.size
             if sender.fetch_writer is None:
                 prefix = self._subgroup_prefix(sender, nxt)
             else:

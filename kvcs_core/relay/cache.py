@@ -344,6 +344,8 @@ class Cache:
         self.received_objects = 0
         self.evicted_bytes = 0
         """Accounted bytes evicted so far."""
+        self.evicted_groups = 0
+        """Groups evicted so far (some may have been fetched again since)."""
         self.not_kept = 0
         """Objects forwarded but not kept (evicted in the step they arrived)."""
         self.transit_bytes = 0
@@ -573,6 +575,7 @@ class Cache:
         entry.cost -= gcost
         self.total_bytes -= gcost
         self.evicted_bytes += gcost
+        self.evicted_groups += 1
         entry.evicted.add(gid)
         entry.evicted_groups += 1
         entry.evicted_bytes += gcost

@@ -199,3 +199,19 @@ class RelayStats:
     """Payload bytes of evicted groups fetched again upstream for late joiners so far."""
     refused_for_rate: int = 0
     """Requests refused so far because their session passed ``request_rate``."""
+    cached_objects: int = 0
+    """Objects the cache holds now, over every track (status objects included)."""
+    evicted_groups: int = 0
+    """Groups evicted so far, over every track."""
+    objects_sent: int = 0
+    """Objects the relay's sessions handed to their transports so far (to subscribers,
+    fills and FETCHes downstream), sessions that are gone included."""
+    bytes_sent: int = 0
+    """Payload bytes of those objects."""
+    sessions_added: int = 0
+    """Sessions the relay was given so far (open or gone)."""
+    upstream_sessions: int = 0
+    """Open sessions towards publishers or parent relays (``add_session(upstream=True)``)."""
+    refused: tuple[tuple[str, int], ...] = ()
+    """Requests the relay refused so far (REQUEST_ERROR), as ``(error code name, count)``
+    pairs sorted by name."""

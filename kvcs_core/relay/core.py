@@ -123,6 +123,13 @@ class RelayCore:
         self._peers: dict[MoqtSession, Peer] = {}
         self._tracks: dict[FullTrackName, Track] = {}
         self.refused_for_rate = 0
+        self.refused: dict[str, int] = {}
+        """Requests refused so far (REQUEST_ERROR sent by the relay), by error code name."""
+        self.sessions_added = 0
+        """Sessions the relay was given so far (:meth:`Relay.add_session`)."""
+        self._gone_objects_sent = 0
+        self._gone_bytes_sent = 0
+        """What sessions that are gone had sent (:meth:`Relay.stats` adds the live ones)."""
         self._rendezvous: dict[DownstreamSubscription, float] = {}
         """SUBSCRIBEs held for a publisher (RENDEZVOUS_TIMEOUT): their deadlines."""
         self._rendezvous_heap: list[tuple[float, int, DownstreamSubscription]] = []
@@ -271,9 +278,11 @@ class RelayCore:
         self, peer: Peer, request_id: int, code: int, reason: str, retry_ms: int | None = None
     ) -> None:
         if self._pending(peer, request_id):
+            error = as_request_error(code)
+            self.refused[error.name] = self.refused.get(error.name, 0) + 1
             peer.session.reject_request(
                 request_id,
-                as_request_error(code),
+                error,
                 reason[:1024],
                 now=self._now,
                 retry_interval_ms=retry_ms,

@@ -238,6 +238,7 @@ class Relay(Offers):
             raise LocalProtocolError("the session is closed")
         peer = Peer(session, upstream)
         self._peers[session] = peer
+        self.sessions_added += 1
         if upstream and link:
             self._links.add(session)
         if upstream and session.setup_complete:
@@ -367,6 +368,7 @@ class Relay(Offers):
     def stats(self) -> RelayStats:
         """Relay-wide accounting."""
         cache = self._cache
+        live = [peer.session.publisher for peer in self._peers.values()]
         return RelayStats(
             cache_bytes=cache.total_bytes,
             peak_cache_bytes=cache.peak_bytes,
@@ -379,6 +381,15 @@ class Relay(Offers):
             transit_bytes=cache.transit_bytes,
             refetch_bytes_received=self._refetched_bytes,
             refused_for_rate=self.refused_for_rate,
+            cached_objects=sum(
+                len(t.entry.store) for t in self._tracks.values() if t.entry is not None
+            ),
+            evicted_groups=cache.evicted_groups,
+            objects_sent=self._gone_objects_sent + sum(p.objects_sent for p in live),
+            bytes_sent=self._gone_bytes_sent + sum(p.payload_bytes_sent for p in live),
+            sessions_added=self.sessions_added,
+            upstream_sessions=sum(1 for peer in self._peers.values() if peer.upstream),
+            refused=tuple(sorted(self.refused.items())),
         )
 
     # ------------------------------------------------------------------ downstream requests
@@ -761,6 +772,8 @@ class Relay(Offers):
         peer.closed = True
         session = peer.session
         del self._peers[session]
+        self._gone_objects_sent += session.publisher.objects_sent
+        self._gone_bytes_sent += session.publisher.payload_bytes_sent
         if session in self._links:
             self._links.discard(session)
             if self.config.upstream_hold > 0:

@@ -24,6 +24,7 @@ from test_cli_processes import (
     kvcs,
     one_error_line,
     procs,  # noqa: F401  (the fixture)
+    read_event,
     read_line,
 )
 
@@ -67,7 +68,7 @@ def test_signature_and_kid_problems_are_said_plainly(procs: Procs, tmp_path: Pat
     first = json.loads(read_line(pub, START_TIMEOUT, "the publisher's first line"))
     assert first["event"] == "publishing" and first["tokens"] == 96, first
     assert first["blocks"] == 6, first
-    published = json.loads(read_line(pub, START_TIMEOUT * 3, "the 'published' line"))
+    published = read_event(pub, "published", START_TIMEOUT * 3)
     assert published["event"] == "published" and published["tokens"] == 96, published
     warned = procs.stderr("publisher")
     assert "the last 4 of 100 tokens do not fill a block of 16" in warned, warned

@@ -32,6 +32,7 @@ from test_cli_processes import (
     json_lines,
     kvcs,
     one_error_line,
+    read_event,
     read_line,
 )
 from test_lifecycle import _closing_server
@@ -137,7 +138,7 @@ def test_idle_publisher_keeps_serving(procs: Procs) -> None:
     assert json.loads(read_line(pub, START_TIMEOUT, "the 'publishing' line"))["event"] == (
         "publishing"
     )
-    published = json.loads(read_line(pub, START_TIMEOUT, "the 'published' line"))
+    published = read_event(pub, "published", START_TIMEOUT)
     assert published["event"] == "published"
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3.0:  # the idle period itself

@@ -34,6 +34,7 @@ from test_cli_processes import (
     kvcs,
     one_error_line,
     procs,
+    read_event,
     read_line,
 )
 from test_quic_inprocess import (
@@ -277,7 +278,7 @@ def test_cli_unpaced_publish_through_a_relay_process_all_on_pquic(procs: Procs) 
     )  # fmt: skip
     first = json.loads(read_line(pub, START_TIMEOUT, "the publisher's first line"))
     assert first["event"] == "publishing"
-    done = json.loads(read_line(pub, START_TIMEOUT, "the publisher's second line"))
+    done = read_event(pub, "published", START_TIMEOUT)
     assert done["event"] == "published", done
     fetch = procs.start(
         "fetch", "fetch", url, *cache, "--json", "--fetch-timeout", "45", "-k",

@@ -55,6 +55,7 @@ from .common import (
     Exit,
     add_cache_options,
     add_client_tls_options,
+    add_ops_options,
     add_transport_options,
     descriptor_command,
     fail,
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-for", type=float, metavar="S", help="stop after S seconds")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     add_transport_options(r)
+    add_ops_options(r, relay=True)
 
     p = sub.add_parser("publish", help="publish a KV cache through a relay", **each)
     p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
@@ -188,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_tls_options(p)
     add_transport_options(p)
+    add_ops_options(p)
 
     f = sub.add_parser("fetch", help="retrieve, verify and report a KV cache", **each)
     f.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
@@ -241,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_tls_options(f)
     add_transport_options(f)
+    add_ops_options(f)
 
     ls = sub.add_parser("ls", help="list the namespaces announced under a prefix", **each)
     ls.add_argument("url", metavar="URL", help="moqt://host:port of the relay")

@@ -4,7 +4,12 @@ Each command is one coroutine written against a binding module
 (:mod:`kvcs.transports.quic.asyncio_binding` or :mod:`kvcs.transports.quic.trio_binding`,
 chosen by ``--loop``), so every command runs on either loop. Output for people
 goes to stdout (and progress bars to stderr on a terminal); ``--json`` prints one
-JSON object per line instead, for scripts.
+JSON object per line instead, for scripts: streamed ``progress`` lines while
+``publish`` and ``fetch`` run (:mod:`.progress`), and from ``relay`` periodic
+``stats`` lines and one ``connection_ended`` line per connection that ends.
+``relay --metrics`` serves the same counters to Prometheus
+(:mod:`kvcs.transports.quic.metrics`); ``--qlog-dir`` writes a qlog per QUIC
+connection (:mod:`kvcs.transports.quic.qlog`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ from kvcs.adapters.cachefile import (
 from kvcs.adapters.numpy_kv import KvDestination, layer_sections
 from kvcs.transports.quic.api import CacheRetrieval, ConnectError
 from kvcs.transports.quic.config import parse_hostport
+from kvcs.transports.quic.metrics import (
+    RelayMetrics,
+    parse_metrics_address,
+    relay_counters,
+    stats_fields,
+)
 from kvcs.transports.quic.reconnect import DEFAULT_BACKOFF
 from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.consumer import (
@@ -54,7 +65,6 @@ from .common import (
     DEFAULT_KID,
     CliError,
     Exit,
-    Progress,
     Prompt,
     cache_source,
     client_tls,
@@ -64,9 +74,11 @@ from .common import (
     json_line,
     kid,
     parse_namespace,
+    qlog_dir,
     read_file,
     scope_key,
 )
+from .progress import Sample, TransferProgress, tick
 
 log = logging.getLogger("kvcs.cli")
 
@@ -145,12 +157,20 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
         parse_hostport(args.listen)
     except ValueError as exc:
         raise CliError(str(exc), Exit.USAGE) from None
+    metrics_at = None
+    if args.metrics is not None:
+        try:
+            metrics_at = parse_metrics_address(args.metrics)
+        except ValueError as exc:
+            raise CliError(str(exc), Exit.USAGE) from None
+    qlog = qlog_dir(args)
     tls = relay_tls(args)
     upstream_tls = TlsConfig(
         cafile=str(args.upstream_ca) if args.upstream_ca else None,
         verify=not args.upstream_insecure,
     )
     config = RelayConfig(cache_budget_bytes=args.cache_budget)
+    options: dict[str, Any] = {} if qlog is None else {"qlog_dir": qlog}
     try:
         async with b.serve_relay(
             args.listen,
@@ -161,43 +181,26 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             upstream_tls=upstream_tls,
             max_datagram_size=args.datagram_size,
             idle_timeout=args.idle_timeout,
+            **options,
         ) as server:
-            where = f"moqt://{server.address[0]}:{server.address[1]}"
-            wt_url: str | None = f"https://{server.address[0]}:{server.address[1]}/"
-            if args.stack == "pquic":
-                wt_url = None  # no WebTransport through kvcs on picoquic (.pquic_binding)
-            if args.json:
-                json_line(
-                    event="listening",
-                    url=where,
-                    webtransport_url=wt_url,
-                    ca=tls.cafile,
-                    stack=args.stack,
-                )
-            else:
-                print(
-                    f"kvcs relay: listening on {where}"
-                    + (f" and {wt_url} (WebTransport)" if wt_url else "")
-                    + " "
-                    f"({args.stack}, {args.loop}"
-                    + (f", self-signed; CA {tls.cafile}" if args.self_signed else "")
-                    + (f", upstream {args.upstream}" if args.upstream else "")
-                    + ")",
-                    flush=True,
-                )
-            started = time.monotonic()
-            while args.run_for is None or time.monotonic() - started < args.run_for:
-                with contextlib.suppress(Terminated):
-                    await _wait(b, 1.0 if args.run_for is None else min(1.0, args.run_for))
-                    st = server.relay.stats()
-                    log.info(
-                        "relay: %d connections, %d tracks, cache %d bytes",
-                        server.connections,
-                        len(server.relay.tracks()),
-                        st.cache_bytes,
-                    )
-                    continue
-                break
+            metrics = None
+            metrics_url = None
+            if metrics_at is not None:
+                metrics = RelayMetrics(relay_counters(server))
+                try:
+                    host, port = metrics.serve(*metrics_at)
+                except OSError as exc:
+                    raise CliError(
+                        f"--metrics: cannot listen on {args.metrics}: {exc.strerror or exc}",
+                        Exit.NETWORK,
+                    ) from None
+                metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+            try:
+                _announce_relay(args, server, tls, metrics_url)
+                await _run_relay(b, args, server, metrics)
+            finally:
+                if metrics is not None:
+                    metrics.close()
     except ConnectError:
         raise  # the upstream relay (a ConnectError is an OSError too): mapped by common.run
     except OSError as exc:
@@ -205,6 +208,118 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             f"cannot listen on {args.listen}: {exc.strerror or exc}", Exit.NETWORK
         ) from None
     return Exit.OK
+
+
+def _announce_relay(
+    args: argparse.Namespace, server: Any, tls: TlsConfig, metrics_url: str | None
+) -> None:
+    where = f"moqt://{server.address[0]}:{server.address[1]}"
+    wt_url: str | None = f"https://{server.address[0]}:{server.address[1]}/"
+    if args.stack == "pquic":
+        wt_url = None  # no WebTransport through kvcs on picoquic (.pquic_binding)
+    if args.json:
+        extra = {} if metrics_url is None else {"metrics_url": metrics_url}
+        json_line(
+            event="listening",
+            url=where,
+            webtransport_url=wt_url,
+            ca=tls.cafile,
+            stack=args.stack,
+            **extra,
+        )
+        return
+    print(
+        f"kvcs relay: listening on {where}"
+        + (f" and {wt_url} (WebTransport)" if wt_url else "")
+        + " "
+        f"({args.stack}, {args.loop}"
+        + (f", self-signed; CA {tls.cafile}" if args.self_signed else "")
+        + (f", upstream {args.upstream}" if args.upstream else "")
+        + ")"
+        + (f"; metrics at {metrics_url}" if metrics_url else ""),
+        flush=True,
+    )
+
+
+RELAY_TICK = 0.25
+"""Seconds between two looks of ``kvcs relay`` at its counters (metrics, ended connections)."""
+
+RELAY_LOG_INTERVAL = 1.0
+"""Seconds between two ``-v`` log lines of the relay's counts."""
+
+
+async def _run_relay(
+    b: ModuleType, args: argparse.Namespace, server: Any, metrics: RelayMetrics | None
+) -> None:
+    """Serve until SIGTERM or ``--run-for``; every tick: refresh the metrics, report the
+    connections that ended (``--json``), and now and then the counters (``stats`` lines
+    with ``--json``, an INFO log line)."""
+    clock = time.monotonic
+    started = clock()
+    next_log = started + RELAY_LOG_INTERVAL
+    next_stats = started + args.stats_interval
+    ended = _EndedConnections(server.driver.endpoint)
+    while True:
+        left = None if args.run_for is None else args.run_for - (clock() - started)
+        if left is not None and left <= 0:
+            break
+        try:
+            await _wait(b, RELAY_TICK if left is None else min(RELAY_TICK, left))
+        except Terminated:
+            break
+        counters = relay_counters(server)
+        if metrics is not None:
+            metrics.update(counters)
+        if args.json:
+            for fields in ended.take():
+                json_line(event="connection_ended", **fields)
+        now = clock()
+        if now >= next_log:
+            next_log = now + RELAY_LOG_INTERVAL
+            log.info(
+                "relay: %d connections, %d tracks, cache %d bytes, %d objects; "
+                "in %d objects (%d bytes), out %d objects (%d bytes)",
+                counters.connections, counters.tracks, counters.cache_bytes,
+                counters.cache_objects, counters.objects_in, counters.bytes_in,
+                counters.objects_out, counters.bytes_out,
+            )  # fmt: skip
+        if args.json and now >= next_stats:
+            next_stats = now + args.stats_interval
+            json_line(event="stats", seconds=round(now - started, 3), **stats_fields(counters))
+    if args.json:  # what ended in the last moments (our own close comes after this)
+        for fields in ended.take():
+            json_line(event="connection_ended", **fields)
+
+
+class _EndedConnections:
+    """The connections of an endpoint that ended since the last :meth:`take`."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self.endpoint = endpoint
+        self.seen = endpoint.ended_total
+
+    def take(self) -> list[dict[str, Any]]:
+        total = self.endpoint.ended_total
+        new = min(total - self.seen, len(self.endpoint.ended))
+        self.seen = total
+        pumps = list(self.endpoint.ended)[len(self.endpoint.ended) - new :] if new else []
+        return [
+            {
+                "connection": pump.label,
+                "peer": _peer(pump.peer),
+                "ended_by": pump.ended_how,
+                "reason": pump.close_reason,
+                "upstream": bool(pump.quic.configuration.is_client),
+            }
+            for pump in pumps
+        ]
+
+
+def _peer(addr: Any) -> str | None:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = str(addr[0])
+        return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+    return None if addr is None else str(addr)
 
 
 # --- publish --------------------------------------------------------------------------------
@@ -264,23 +379,48 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         )
         if args.wait_for_subscriber:
             await _wait_subscribed(b, client, pub, args.wait_for_subscriber)
-        bar = Progress("publishing", cd.layers, enabled=None if not args.json else False)
         t0 = time.monotonic()
-        # one layer of the source at a time: gathered once into section order (the
-        # publisher keeps the sections, by reference), then let go; where the layout
-        # allows views (one KV head) the sections are views of the layer just read
-        for layer, (k, v) in enumerate(cache.layers()):
-            sections = layer_sections(k, v, cd, blocks=blocks)
-            del k, v
-            await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
-            del sections
-            bar.update(layer + 1)
-            if args.layer_interval:
-                await _wait(b, args.layer_interval)
-        await pub.finish()
-        await pub.drained(timeout=None if args.serve_for is None else args.serve_for + 60)
+        progress = TransferProgress("publishing", cd.layers, json_lines=args.json, emit=json_line)
+        state = {"layers": 0, "bytes": 0, "layer_bytes": 0}
+        done = [False]
+        ended = [0.0]
+
+        def sample() -> Sample:
+            per_layer = state["layer_bytes"]
+            return Sample(
+                layers_done=state["layers"],
+                bytes_done=state["bytes"],
+                bytes_total=per_layer * cd.layers if per_layer else None,
+                extra=(("sent", client.pump.bytes_pulled),),
+            )
+
+        async def produce() -> None:
+            # one layer of the source at a time: gathered once into section order (the
+            # publisher keeps the sections, by reference), then let go; where the layout
+            # allows views (one KV head) the sections are views of the layer just read
+            try:
+                for layer, (k, v) in enumerate(cache.layers()):
+                    sections = layer_sections(k, v, cd, blocks=blocks)
+                    del k, v
+                    size = sum(memoryview(x).nbytes for x in _kv(sections))
+                    await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+                    del sections
+                    state["layers"] = layer + 1
+                    state["bytes"] += size
+                    state["layer_bytes"] = state["layer_bytes"] or size
+                    progress.update(sample())
+                    if args.layer_interval:
+                        await _wait(b, args.layer_interval)
+                await pub.finish()
+                await pub.drained(timeout=None if args.serve_for is None else args.serve_for + 60)
+                ended[0] = time.monotonic()
+            finally:
+                done[0] = True
+
+        await b.gather(produce, lambda: tick(b.sleep, progress, sample, lambda: done[0]))
+        progress.finish(sample())
         nbytes = pub.publisher.total_bytes
-        seconds = round(time.monotonic() - t0, 3)
+        seconds = round(ended[0] - t0, 3)
         extra = {}
         if args.digest:
             # the layers are read once more (one at a time), after the timing
@@ -343,6 +483,8 @@ def _digest(parts: Any) -> str:
 def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
     """The session with ``args.url`` that every client command opens (a publisher's is
     reopened with backoff whenever it is lost, and its publication announced again)."""
+    qlog = qlog_dir(args)
+    options: dict[str, Any] = {} if qlog is None else {"qlog_dir": qlog}
     return b.connect(
         args.url,
         tls=client_tls(args),
@@ -351,6 +493,7 @@ def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
         max_datagram_size=args.datagram_size,
         idle_timeout=args.idle_timeout,
         reconnect=DEFAULT_BACKOFF if args.command == "publish" else None,
+        **options,
     )
 
 
@@ -423,7 +566,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             recovery_time_bound=args.recovery_time,
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
         )
-        outcome = await follow(retrieval, cd.layers, t0, args)
+        outcome = await follow(b, retrieval, cd.layers, t0, args)
         result = outcome["result"]
         if not (result is not None and result.complete) and all(
             c.closed for c in (client, *others)
@@ -435,28 +578,51 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
 
 
 async def follow(
-    retrieval: CacheRetrieval, layers: int, t0: float, args: argparse.Namespace
+    b: ModuleType,
+    retrieval: CacheRetrieval,
+    layers: int,
+    t0: float,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Wait for the retrieval's end, with progress; the figures of the report."""
-    bar = Progress("fetching", layers, enabled=None if not args.json else False)
-    first: float | None = None
-    seen = 0
-    try:  # --fetch-timeout bounds the whole retrieval
-        async for _layer in retrieval.layers(timeout=args.fetch_timeout):
-            if first is None:
-                first = time.monotonic() - t0
-            bar.update(len(retrieval.ready))
-            seen = _warn_discarded(retrieval, seen, args)
-        result: RetrievalComplete | None = await retrieval.result(
-            timeout=max(0.0, args.fetch_timeout - (time.monotonic() - t0)), strict=False
+    progress = TransferProgress("fetching", layers, json_lines=args.json, emit=json_line, start=t0)
+    consumer = retrieval.consumer
+    state: dict[str, Any] = {"first": None, "seen": 0, "done": False, "result": None, "end": t0}
+
+    def sample() -> Sample:
+        verified = consumer.verified_objects
+        needed = verified + consumer.missing_objects
+        return Sample(
+            layers_done=len(retrieval.ready),
+            bytes_done=verified * consumer.data_length,
+            bytes_total=needed * consumer.data_length if needed else None,
         )
-    except TimeoutError:
-        result = None
+
+    async def wait() -> None:
+        try:  # --fetch-timeout bounds the whole retrieval
+            async for _layer in retrieval.layers(timeout=args.fetch_timeout):
+                if state["first"] is None:
+                    state["first"] = time.monotonic() - t0
+                progress.update(sample())
+                state["seen"] = _warn_discarded(retrieval, state["seen"], args)
+            state["result"] = await retrieval.result(
+                timeout=max(0.0, args.fetch_timeout - (time.monotonic() - t0)), strict=False
+            )
+        except TimeoutError:
+            state["result"] = None
+        finally:
+            state["end"] = time.monotonic()
+            state["done"] = True
+
+    await b.gather(wait, lambda: tick(b.sleep, progress, sample, lambda: bool(state["done"])))
+    progress.finish(sample())
+    result: RetrievalComplete | None = state["result"]
+    first: float | None = state["first"]
+    seen: int = state["seen"]
     _warn_discarded(retrieval, seen, args)
     for e in retrieval.events:
         log.debug("consumer event: %s", e)
-    total = time.monotonic() - t0
-    consumer = retrieval.consumer
+    total = float(state["end"]) - t0  # the end of the retrieval, not of the ticker
     return {
         "result": result,
         "first": first,

@@ -37,6 +37,7 @@ from kvcs.transports.quic import asyncio_binding, trio_binding
 from kvcs.transports.quic.api import ConnectError
 from kvcs.transports.quic.config import DEFAULT_IDLE_TIMEOUT, UrlError
 from kvcs.transports.quic.groups import single_errors
+from kvcs.transports.quic.qlog import check_qlog_dir
 from kvcs.transports.quic.stack import DEFAULT_STACK, STACKS, StackUnavailable
 from kvcs.transports.quic.tls import TlsConfig, TlsError
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
@@ -105,6 +106,50 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help=f"QUIC idle timeout: a peer silent this long is gone (default "
         f"{DEFAULT_IDLE_TIMEOUT:g}; quiet sessions are kept alive with PINGs)",
     )
+
+
+def add_ops_options(p: argparse.ArgumentParser, *, relay: bool = False) -> None:
+    """What operators watch: ``--qlog-dir`` (every command that opens QUIC connections),
+    ``--metrics`` and ``--stats-interval`` (relays)."""
+    g = p.add_argument_group("observability")
+    g.add_argument(
+        "--qlog-dir",
+        type=Path,
+        metavar="DIR",
+        help="write a qlog file per QUIC connection into DIR (created if missing) when the "
+        "connection ends (aioquic and qh3)",
+    )
+    if not relay:
+        return
+    g.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464; "
+        "port 0: any, named in --json's 'listening' line)",
+    )
+    g.add_argument(
+        "--stats-interval",
+        type=_seconds,
+        default=5.0,
+        metavar="S",
+        help="seconds between two 'stats' lines with --json (default 5)",
+    )
+
+
+def qlog_dir(args: argparse.Namespace) -> str | None:
+    """``--qlog-dir``, checked before any connection: status 2 on pquic, 5 when the
+    directory cannot be made or written."""
+    directory = getattr(args, "qlog_dir", None)
+    if directory is None:
+        return None
+    if args.stack == "pquic":
+        raise CliError("--qlog-dir is not supported on the pquic stack (use aioquic or qh3)",
+                       Exit.USAGE)  # fmt: skip
+    try:
+        check_qlog_dir(directory)
+    except OSError as exc:
+        raise CliError(f"--qlog-dir: {directory}: {exc.strerror or exc}", Exit.FILE) from None
+    return str(directory)
 
 
 def _seconds(text: str) -> float:

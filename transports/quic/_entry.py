@@ -10,6 +10,7 @@ upstream connection, the client session, waiting for setup, closing) is here.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -47,6 +48,7 @@ async def relay_server(
     webtransport: bool = True,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[RelayServer]:
     """A caching relay on ``listen`` (``host:port``), as an async context manager.
 
@@ -63,6 +65,7 @@ async def relay_server(
         max_connections_per_address=max_connections_per_address,
         webtransport=webtransport,
         idle_timeout=idle_timeout,
+        qlog_dir=qlog_dir,
     )
     async with open_endpoint(endpoint, host, port) as driver:
         parent = None
@@ -99,6 +102,7 @@ async def client_session(
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     reconnect: Backoff | None = None,
     bind: str | None = None,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[MoqtClient]:
     """A MOQT session with the server at ``url``, as an async context manager.
 
@@ -113,7 +117,9 @@ async def client_session(
             driver, app = via.driver, via.app
         else:
             app = ClientApp()
-            endpoint = client_endpoint(stack=stack, app=app, idle_timeout=idle_timeout)
+            endpoint = client_endpoint(
+                stack=stack, app=app, idle_timeout=idle_timeout, qlog_dir=qlog_dir
+            )
             if bind is None:
                 loopback = is_loopback(addr[0])
                 bind = "127.0.0.1" if loopback else ("::" if ":" in addr[0] else "0.0.0.0")

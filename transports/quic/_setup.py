@@ -1,8 +1,14 @@
-"""Building endpoints for relays and clients: shared by the asyncio and trio bindings."""
+"""Building endpoints for relays and clients: shared by the asyncio and trio bindings.
+
+``qlog_dir`` (relays and clients): every QUIC connection of the endpoint writes a qlog
+file there when it ends (:mod:`.qlog`); the per-connection configurations of clients
+(and of a relay's upstream link) take the endpoint's logger.
+"""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 from typing import Any
 
 from kvcs_core.moqt.config import Role, SessionConfig
@@ -12,6 +18,7 @@ from kvcs_core.relay.relay import Relay
 from .apps import ClientApp, RelayApp
 from .config import DEFAULT_IDLE_TIMEOUT, MoqtUrl, parse_url, quic_configuration
 from .endpoint import DEFAULT_MAX_PER_ADDRESS, QuicEndpoint
+from .qlog import qlog_logger
 from .stack import load_stack
 from .tls import TlsConfig
 
@@ -47,7 +54,9 @@ def relay_endpoint(
     webtransport: bool = True,
     max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> QuicEndpoint:
+    logger = None if qlog_dir is None else qlog_logger(stack, qlog_dir)
     st = load_stack(stack)
     webtransport = webtransport and st.h3_connection is not None
     cfg = quic_configuration(
@@ -58,6 +67,8 @@ def relay_endpoint(
         webtransport=webtransport,
         idle_timeout=idle_timeout,
     )
+    if logger is not None:
+        cfg.quic_logger = logger
     return (st.endpoint or QuicEndpoint)(
         st,
         cfg,
@@ -69,12 +80,19 @@ def relay_endpoint(
 
 
 def client_endpoint(
-    *, stack: str, app: ClientApp | None = None, idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    *,
+    stack: str,
+    app: ClientApp | None = None,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> QuicEndpoint:
+    logger = None if qlog_dir is None else qlog_logger(stack, qlog_dir)
     st = load_stack(stack)
     cfg = quic_configuration(
         st, is_client=True, tls=TlsConfig(verify=False), idle_timeout=idle_timeout
     )
+    if logger is not None:
+        cfg.quic_logger = logger
     endpoint: QuicEndpoint = (st.endpoint or QuicEndpoint)(st, cfg, app or ClientApp())
     return endpoint
 
@@ -87,7 +105,7 @@ def client_configuration(
     *,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> Any:
-    return quic_configuration(
+    cfg = quic_configuration(
         endpoint.stack,
         is_client=True,
         tls=tls or TlsConfig(),
@@ -96,6 +114,10 @@ def client_configuration(
         webtransport=url.webtransport,
         idle_timeout=idle_timeout,
     )
+    logger = getattr(endpoint.configuration, "quic_logger", None)
+    if logger is not None:  # the endpoint's qlog directory (module docstring)
+        cfg.quic_logger = logger
+    return cfg
 
 
 __all__ = [

@@ -44,6 +44,7 @@ so both drivers (and any other loop) share it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -84,6 +85,9 @@ REFUSED_FULL = "server full"
 
 MAX_REFUSALS_REMEMBERED = 256
 """Refused handshakes whose answer is kept to repeat for retransmitted Initials."""
+
+MAX_ENDED_REMEMBERED = 1024
+"""Connections that ended kept in :attr:`QuicEndpoint.ended` for observers."""
 
 
 class Watcher(Protocol):
@@ -160,6 +164,14 @@ class QuicEndpoint:
         """Reconnecting client connections (:class:`~.reconnect.Link`) on this endpoint."""
         self.refused = 0
         """Handshakes refused over a connection limit so far."""
+        self.accepted = 0
+        """Connections accepted (server) or opened (client) so far."""
+        self.ended: deque[SessionPump] = deque(maxlen=MAX_ENDED_REMEMBERED)
+        """The latest connections that ended and were let go, oldest first (observers such
+        as ``kvcs relay --json`` take them from here: ``pump.close_reason``,
+        ``pump.ended_how``); at most :data:`MAX_ENDED_REMEMBERED`."""
+        self.ended_total = 0
+        """Connections that ended and were let go so far."""
         self._by_cid: dict[bytes, SessionPump] = {}
         self._by_host: dict[Any, int] = {}
         self._host_of: dict[SessionPump, Any] = {}
@@ -395,6 +407,12 @@ class QuicEndpoint:
                 quic.receive_datagram(data, addr, now)
                 quic.close(error_code=CONNECTION_REFUSED, frame_type=0, reason_phrase=reason)
                 answer = [d for d, _ in self.stack.datagrams_to_send(quic, now)]
+                logger = getattr(self.configuration, "quic_logger", None)
+                trace = getattr(quic, "_quic_logger", None)
+                if logger is not None and trace is not None:
+                    # with qlog on (.qlog): this connection is dropped here, so its
+                    # trace is written now instead of being held forever
+                    logger.end_trace(trace)
             except Exception as exc:  # the refusal is best effort: the peer then times out
                 log.debug("refusal to %s not built: %s", addr, exc)
             if len(self._refusals) >= MAX_REFUSALS_REMEMBERED:
@@ -418,6 +436,7 @@ class QuicEndpoint:
             keepalive=self.keepalive,
         )
         self.pumps.append(pump)
+        self.accepted += 1
         return pump
 
     def _update_cids(self, pump: SessionPump) -> None:
@@ -431,6 +450,8 @@ class QuicEndpoint:
     def _reap(self) -> None:
         for pump in [p for p in self.pumps if p.terminated and not p.events]:
             self.pumps.remove(pump)
+            self.ended.append(pump)
+            self.ended_total += 1
             for cid in [c for c, p in self._by_cid.items() if p is pump]:
                 del self._by_cid[cid]
             host = self._host_of.pop(pump, None)

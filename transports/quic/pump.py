@@ -155,6 +155,10 @@ class SessionPump:
         self._stack_failed = False
         self.close_reason: str | None = None
         """Why the session or connection ended, in one line (``None`` while open)."""
+        self.ended_how: str | None = None
+        """Once the connection ended: who or what ended it (``closed by us``, ``closed by
+        the peer or the QUIC stack``, ``idle timeout (30 s)``, ``QUIC stack error in ...``,
+        ``given up by us``), as logged."""
         self.cid_changes: list[tuple[bool, bytes]] = []
         """Connection IDs the stack issued (True) or retired (False), for the endpoint's demux."""
         self.allow_webtransport = webtransport
@@ -529,6 +533,7 @@ class SessionPump:
         if self._logged_end:
             return
         self._logged_end = True
+        self.ended_how = how
         if clean is None:
             clean = code in (0, H3_NO_ERROR) and "idle" not in how and "error" not in how
         reason = self.close_reason or f"no reason given (code {code:#x})"

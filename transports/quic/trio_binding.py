@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -181,6 +182,7 @@ def serve_relay(
     webtransport: bool = True,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> AbstractAsyncContextManager[RelayServer]:
     """A caching MOQT relay on trio, as an async context manager.
 
@@ -214,6 +216,9 @@ def serve_relay(
         upstream_reconnect: the :class:`~.reconnect.Backoff` with which a lost
             upstream session is reopened (default: 0.5 s doubling to 30 s,
             forever); ``None``: never.
+        qlog_dir: a directory where each QUIC connection, the upstream link's
+            included, writes a qlog file (JSON) through the stack's own logger when
+            it ends (:mod:`.qlog`; aioquic and qh3); default ``None``: no qlog.
 
     Returns:
         An async context manager yielding the :class:`~.api.RelayServer`.
@@ -242,6 +247,7 @@ def serve_relay(
         webtransport=webtransport,
         idle_timeout=idle_timeout,
         upstream_reconnect=upstream_reconnect,
+        qlog_dir=qlog_dir,
     )
 
 
@@ -256,6 +262,7 @@ def connect(
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     reconnect: Backoff | None = None,
     bind: str | None = None,
+    qlog_dir: str | os.PathLike[str] | None = None,
 ) -> AbstractAsyncContextManager[MoqtClient]:
     """A MOQT session with a server on trio, as an async context manager.
 
@@ -285,6 +292,10 @@ def connect(
             announced again; default ``None``: no reconnection.
         bind: the local IP address to send from (default: 127.0.0.1 for a loopback
             server, else any).
+        qlog_dir: a directory where the QUIC connection writes a qlog file (JSON)
+            through the stack's own logger when it ends (:mod:`.qlog`; aioquic and
+            qh3; with ``via``, the other client's endpoint decides); default
+            ``None``: no qlog.
 
     Returns:
         An async context manager yielding the :class:`~.api.MoqtClient`.
@@ -309,6 +320,7 @@ def connect(
         idle_timeout=idle_timeout,
         reconnect=reconnect,
         bind=bind,
+        qlog_dir=qlog_dir,
     )
 
 
