@@ -23,7 +23,7 @@ from test_cli_processes import (
     json_lines,
     kvcs,
     procs,  # noqa: F401  (the fixture)
-    read_line,
+    read_event,
 )
 
 from kvcs.adapters.cachefile import CacheFile, llama_descriptor, load, save, synthetic
@@ -57,11 +57,8 @@ def test_fetch_from_tokens_and_descriptor_alone(procs: Procs, tmp_path: Path) ->
         "publisher", "publish", url, "--ca", ca, "--file", str(cache),
         "--scope-key", SCOPE_HEX, "--serve-for", "60", "--json",
     )  # fmt: skip
-    for _ in range(2):
-        line = json.loads(read_line(pub, START_TIMEOUT, "a line of the publisher"))
-        if line["event"] == "published":
-            break
-    assert line["event"] == "published" and line["blocks"] == 4, line
+    line = read_event(pub, "published", START_TIMEOUT)  # progress lines come before it
+    assert line["blocks"] == 4, line
     cache.unlink()  # the consumers never see it (the second uses another file's descriptor)
     other = tmp_path / "other.safetensors"
     save(other, synthetic(source.descriptor, tokens=16, seed=99))  # same model, other K/V

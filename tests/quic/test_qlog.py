@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 from kvcs.transports.quic import asyncio_binding as b
+from kvcs.transports.quic.config import quic_configuration
 from kvcs.transports.quic.qlog import QLOG_SUFFIX, QlogUnsupported, qlog_logger
+from kvcs.transports.quic.stack import load_stack
 from kvcs.transports.quic.tls import TlsConfig, self_signed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,3 +173,28 @@ def test_a_refused_handshake_writes_its_qlog_at_once(
     stack: str, tls: TlsConfig, tmp_path: Path
 ) -> None:
     asyncio.run(asyncio.wait_for(_refused_handshake(stack, tls, tmp_path / "q"), 60))
+
+
+@pytest.mark.parametrize("stack", ["qh3", "aioquic"])
+def test_a_connection_that_has_not_ended_is_written_when_flushed(
+    stack: str, tmp_path: Path
+) -> None:
+    """A process that stops while a connection is still closing (or was given up on)
+    leaves its trace too: the endpoint's close flushes every trace that has not ended
+    (``QuicEndpoint.flush_qlog``, called by the drivers' ``aclose``). Here a real client
+    connection of the stack sends its Initial to a peer that never answers, so it never
+    ends; nothing is written until the flush, which writes its packets."""
+    st = load_stack(stack)
+    logger = qlog_logger(stack, tmp_path)
+    cfg = quic_configuration(st, is_client=True, tls=TlsConfig(verify=False), server_name="x")
+    cfg.quic_logger = logger
+    conn = st.connection(configuration=cfg)
+    conn.connect(("127.0.0.1", 9), now=0.0)
+    assert st.datagrams_to_send(conn, 0.0)  # the Initial, logged as packet_sent
+    assert _qlogs(tmp_path) == []  # the connection has not ended: its trace is held
+    assert logger.flush() == 1
+    (path,) = _qlogs(tmp_path)
+    trace = json.loads(path.read_text(encoding="utf-8"))["traces"][0]
+    assert trace["vantage_point"]["type"] == "client"
+    assert "transport:packet_sent" in {e["name"] for e in trace["events"]}
+    assert logger.flush() == 0  # written once

@@ -170,7 +170,6 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
         verify=not args.upstream_insecure,
     )
     config = RelayConfig(cache_budget_bytes=args.cache_budget)
-    options: dict[str, Any] = {} if qlog is None else {"qlog_dir": qlog}
     try:
         async with b.serve_relay(
             args.listen,
@@ -181,7 +180,7 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             upstream_tls=upstream_tls,
             max_datagram_size=args.datagram_size,
             idle_timeout=args.idle_timeout,
-            **options,
+            qlog_dir=qlog,
         ) as server:
             metrics = None
             metrics_url = None
@@ -483,8 +482,6 @@ def _digest(parts: Any) -> str:
 def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
     """The session with ``args.url`` that every client command opens (a publisher's is
     reopened with backoff whenever it is lost, and its publication announced again)."""
-    qlog = qlog_dir(args)
-    options: dict[str, Any] = {} if qlog is None else {"qlog_dir": qlog}
     return b.connect(
         args.url,
         tls=client_tls(args),
@@ -493,7 +490,7 @@ def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
         max_datagram_size=args.datagram_size,
         idle_timeout=args.idle_timeout,
         reconnect=DEFAULT_BACKOFF if args.command == "publish" else None,
-        **options,
+        qlog_dir=qlog_dir(args),
     )
 
 

@@ -78,6 +78,7 @@ class AsyncioDriver(AsyncioDriving):
         self.wake()
         with contextlib.suppress(TimeoutError, ConnectError):
             await self.wait_for(lambda: self.endpoint.idle, timeout)
+        self.endpoint.flush_qlog()  # connections still closing leave their qlog too
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()

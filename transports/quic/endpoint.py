@@ -311,6 +311,13 @@ class QuicEndpoint:
             pump.fail(what, exc, now)
             return None
 
+    def flush_qlog(self) -> int:
+        """Write the qlog traces of connections that have not ended yet (:mod:`.qlog`);
+        returns how many (0 without qlog)."""
+        logger = getattr(self.configuration, "quic_logger", None)
+        flush = getattr(logger, "flush", None)
+        return int(flush()) if callable(flush) else 0
+
     def close(self, now: float, code: int = 0, reason: str = "") -> None:
         """Close every session (their connections close with ``code``); links stop."""
         for link in list(self.links):

@@ -23,7 +23,11 @@ renamed, so a reader never sees half a file. A trace that cannot be written
 connection.
 
 A connection's trace is held in memory until it ends (the stacks build it that
-way), so qlog is for diagnosing, not for long transfers left running. A
+way), so qlog is for diagnosing, not for long transfers left running. When an
+endpoint is closed (its driver's ``aclose``), the traces of connections that
+have not ended yet (still closing or draining, or given up on) are written as
+they are (:meth:`QuicEndpoint.flush_qlog <.endpoint.QuicEndpoint.flush_qlog>`), so
+a process that exits right after its transfer still leaves its files. A
 handshake the endpoint refuses over a connection limit is never a connection
 of its own: :mod:`.endpoint` ends its trace at once, so it is written, not held.
 picoquic (``stack="pquic"``) has its own qlog, which aiopquic does not expose:
@@ -74,6 +78,15 @@ def qlog_logger(stack: str, directory: str | os.PathLike[str]) -> Any:
         """The stack's in-memory logger; each ended trace goes to its own file."""
 
         directory = path
+
+        def flush(self) -> int:
+            """Write the traces of connections that have not ended yet (a process that
+            stops before their closing or draining period is over); returns how many."""
+            written = 0
+            for trace in list(self._traces):
+                self.end_trace(trace)
+                written += 1
+            return written
 
         def end_trace(self, trace: Any) -> None:
             try:

@@ -102,6 +102,7 @@ class TrioDriver:
         self.wake()
         with contextlib.suppress(TimeoutError, ConnectError):
             await self.wait_for(lambda: self.endpoint.idle, timeout)
+        self.endpoint.flush_qlog()  # connections still closing leave their qlog too
         self._closed = True
         self._changed.set()
 
