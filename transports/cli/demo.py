@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator
 from types import ModuleType
@@ -163,6 +164,10 @@ async def relay_url(b: ModuleType, args: argparse.Namespace) -> AsyncIterator[st
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
     try:
         line = await wait_line(b, proc)
+        # the relay goes on writing JSON lines (stats, connection_ended): read and drop
+        # them, so that a long demo never fills the pipe and stalls the relay
+        assert proc.stdout is not None
+        threading.Thread(target=_discard, args=(proc.stdout.fileno(),), daemon=True).start()
         yield json.loads(line)["url"]
     finally:
         proc.terminate()
@@ -171,6 +176,14 @@ async def relay_url(b: ModuleType, args: argparse.Namespace) -> AsyncIterator[st
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def _discard(fd: int) -> None:
+    """Read ``fd`` to its end, dropping what comes (a thread: the reads block)."""
+    with contextlib.suppress(OSError):
+        os.set_blocking(fd, True)  # wait_line made it non-blocking
+        while os.read(fd, 65536):
+            pass
 
 
 async def wait_line(b: ModuleType, proc: subprocess.Popen[str]) -> str:
