@@ -730,6 +730,9 @@ class TorchKvDestination:
             self._stream = _new_stream(self.device)
             # the zero fill runs on the current stream: the side stream's copies come after it
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            # and the caching allocator must not hand the storage out again while a
+            # side-stream copy into it may still run
+            self._storage.record_stream(self._stream)
 
     # -- where the wire's bytes go
 
