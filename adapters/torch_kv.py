@@ -81,7 +81,8 @@ an engine's own paged cache (:meth:`~TorchKvDestination.scatter_into_pages`).
   that event (the host does not block).
 * CUDA, the ``write`` path (:meth:`~TorchKvDestination.write`, one call per
   verified Object, e.g. from ``retrieval.consumer.data`` when no destinations
-  are given): the Data is copied into the next slot of a bounded, reused ring of
+  are given; ``q8`` Data is decoded in place of the copy): the Data is copied
+  into the next slot of a bounded, reused ring of
   ``ring_slots`` pinned section buffers and copied at once to its block's place
   on the device on the side stream; each slot remembers the CUDA event of its
   last copy, and :meth:`_PinnedRing.acquire` waits for that event before the
@@ -115,8 +116,10 @@ from kvcs.adapters.numpy_kv import (
     _check_blocks,
     _check_layout,
     _component,
+    q8_decode_section,
 )
 from kvcs_core.kvcs.names import Component
+from kvcs_core.kvsp.codecs import Codec, codec_from_value, q8_size
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 from kvcs_core.kvsp.dtypes import Dtype
 from kvcs_core.kvsp.errors import SectionError
@@ -768,17 +771,30 @@ class TorchKvDestination:
         size = self.descriptor.section_size
         return self.buffer(layer, component)[block * size : (block + 1) * size]
 
-    def write(self, layer: int, component: Component | int | str, block: int, data: object) -> None:
-        """Store the verified raw Data of one Object (``component`` ``"kv"``: K then V).
+    def write(
+        self,
+        layer: int,
+        component: Component | int | str,
+        block: int,
+        data: object,
+        codec: Codec | int = Codec.RAW,
+    ) -> None:
+        """Store the verified Data of one Object (``component`` ``"kv"``: K then V).
 
-        CPU: one copy into the storage. CUDA: one copy into the next slot of
-        the pinned ring, then a non-blocking host-to-device copy on the side
-        stream into the block's place (the slot is reused only after it).
+        ``raw`` Data is copied; ``q8`` Data is decoded (numpy adapter's
+        :func:`~kvcs.adapters.numpy_kv.q8_decode_section`, the reference's
+        bytes) straight into the same place. CPU: into the storage. CUDA: into
+        the next slot of the pinned ring, then a non-blocking host-to-device
+        copy on the side stream into the block's place (the slot is reused
+        only after that copy). Do not mix :meth:`write` and :meth:`buffer` for
+        one layer on CUDA: ``layer_ready`` copies the whole staged layer.
 
         Raises:
-            SectionError: ``data`` is not the size of the component's section(s).
+            UnknownCodecError: ``codec`` is not in the registry.
+            SectionError: ``data`` is not the size of the component's Data.
             ValueError: bad layer, block or component, or ``data`` not bytes-like.
         """
+        codec = codec_from_value(codec)
         self._layer(layer)
         if not 0 <= block < self.blocks:
             raise ValueError(f"block {block} is not in 0..{self.blocks - 1}")
@@ -789,25 +805,33 @@ class TorchKvDestination:
         is_kv = component == "kv" if isinstance(component, str) else component == Component.KV
         indices = (0, 1) if is_kv else (_component(component),)
         size = self.descriptor.section_size
-        if len(view) != size * len(indices):
+        each = size if codec is Codec.RAW else q8_size(self.descriptor.section_shape)
+        if len(view) != each * len(indices):
             raise SectionError(
-                f"Data of component {component!r} is {len(view)} octets, not {size * len(indices)}"
+                f"{codec.registry_name} Data of component {component!r} is {len(view)} "
+                f"octets, not {each * len(indices)}"
             )
         start = block * size
         for n, ci in enumerate(indices):
-            part = view[n * size : (n + 1) * size]
+            part = view[n * each : (n + 1) * each]
             if self._stream is None:
-                _bytes_of(self._storage[layer, ci])[start : start + size] = part
+                self._store(part, _bytes_of(self._storage[layer, ci])[start : start + size], codec)
                 continue
             if self._ring is None:
                 self._ring = _PinnedRing(size, self._ring_slots)
             slot, pinned = self._ring.acquire()
-            _bytes_of(pinned)[:] = part
+            self._store(part, _bytes_of(pinned), codec)
             with torch.cuda.stream(self._stream):
                 self._storage[layer, ci, start : start + size].copy_(pinned, non_blocking=True)
                 event = _new_event()
                 event.record(self._stream)
             self._ring.recorded(slot, event)
+
+    def _store(self, part: memoryview, target: memoryview, codec: Codec) -> None:
+        if codec is Codec.RAW:
+            target[:] = part
+        else:
+            q8_decode_section(part, self.descriptor, out=target)
 
     # -- layer readiness
 

@@ -28,6 +28,7 @@ from kvcs.adapters import torch_kv as tk  # noqa: E402
 from kvcs.adapters.cachefile import llama_descriptor  # noqa: E402
 from kvcs.transports.quic import asyncio_binding as b  # noqa: E402
 from kvcs.transports.quic.tls import TlsConfig, self_signed  # noqa: E402
+from kvcs_core.kvsp.codecs import Codec  # noqa: E402
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor  # noqa: E402
 from kvcs_core.kvsp.errors import SectionError  # noqa: E402
 
@@ -303,6 +304,21 @@ def test_destination_layer_into_out_and_the_write_path() -> None:
     assert same_bits(v, as_torch(layers[0][1], "bfloat16"))
     with pytest.raises(SectionError, match="octets"):
         w.write(0, "k", 0, b"short")
+    # q8 Data is decoded into place: the numpy KvDestination's bytes
+    q = tk.TorchKvDestination(cd, 12)
+    ref = nk.KvDestination(cd, 12)
+    for block in range(3):
+        for comp, sec in (("k", src.k[block]), ("v", src.v[block])):
+            finite = np.nan_to_num(
+                nk.to_float32(nk.section_array(sec, cd), cd.dtype), nan=0.0, posinf=0.0, neginf=0.0
+            )
+            data = nk.q8_encode(nk.from_float32(np.clip(finite, -1e6, 1e6), cd.dtype), cd)
+            q.write(0, comp, block, data, Codec.Q8)
+            ref.write(0, comp, block, data, Codec.Q8)
+    assert bytes(q.buffer(0, "k")) == bytes(ref.buffer(0, "k"))
+    assert bytes(q.buffer(0, "v")) == bytes(ref.buffer(0, "v"))
+    with pytest.raises(SectionError, match="q8 Data"):
+        q.write(0, "k", 0, src.k[0], Codec.Q8)
     with pytest.raises(ValueError, match="block 3"):
         w.write(0, "k", 3, src.k[0])
 
