@@ -80,8 +80,8 @@ an engine's own paged cache (:meth:`~TorchKvDestination.scatter_into_pages`).
   the layer's CUDA event; ``wait_layer(l)`` makes the current stream wait for
   that event (the host does not block).
 * CUDA, the ``write`` path (:meth:`~TorchKvDestination.write`, one call per
-  verified Object, e.g. from ``retrieval.consumer.data`` when no destinations
-  are given; ``q8`` Data is decoded in place of the copy): the Data is copied
+  verified Object, e.g. from ``retrieval.consumer.data(layer, component, block)``
+  when no destinations are given; ``q8`` Data is decoded in place of the copy): the Data is copied
   into the next slot of a bounded, reused ring of
   ``ring_slots`` pinned section buffers and copied at once to its block's place
   on the device on the side stream; each slot remembers the CUDA event of its

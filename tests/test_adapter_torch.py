@@ -28,6 +28,7 @@ from kvcs.adapters import torch_kv as tk  # noqa: E402
 from kvcs.adapters.cachefile import llama_descriptor  # noqa: E402
 from kvcs.transports.quic import asyncio_binding as b  # noqa: E402
 from kvcs.transports.quic.tls import TlsConfig, self_signed  # noqa: E402
+from kvcs_core.kvcs.names import Component  # noqa: E402
 from kvcs_core.kvsp.codecs import Codec  # noqa: E402
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor  # noqa: E402
 from kvcs_core.kvsp.errors import SectionError  # noqa: E402
@@ -389,7 +390,7 @@ SCOPE_KEY = bytes(range(32))
 WAIT = 20.0
 
 
-async def _publish_and_retrieve(tmp: Any, dtype: str, layout: str) -> None:
+async def _publish_and_retrieve(tmp: Any, dtype: str, layout: str, path: str) -> None:
     desc = llama_descriptor(layers=4, kv_heads=2, head_dim=64, dtype=dtype)
     cd = CompatibilityDescriptor(desc)
     tokens = 48  # 3 blocks of 16
@@ -419,11 +420,17 @@ async def _publish_and_retrieve(tmp: Any, dtype: str, layout: str) -> None:
                 desc,
                 SCOPE_KEY,
                 token_ids,
-                destinations=dest.buffer,
+                destinations=dest.buffer if path == "buffer" else None,
                 require_authenticity=False,
             )
             seen = []
             async for layer in r:
+                if path == "write":  # the Objects' verified Data, one write() each
+                    for block in range(dest.blocks):
+                        for comp in (Component.K, Component.V):
+                            data = r.consumer.data(layer, comp, block)
+                            assert data is not None
+                            dest.write(layer, comp, block, data)
                 dest.layer_ready(layer)
                 seen.append(layer)
                 dest.wait_layer(layer)
@@ -434,11 +441,14 @@ async def _publish_and_retrieve(tmp: Any, dtype: str, layout: str) -> None:
             assert sorted(seen) == list(range(cd.layers))
 
 
-@pytest.mark.parametrize(("dtype", "layout"), [("bfloat16", "HND"), ("float8_e5m2", "NHD")])
+@pytest.mark.parametrize(
+    ("dtype", "layout", "path"),
+    [("bfloat16", "HND", "buffer"), ("float8_e5m2", "NHD", "buffer"), ("float16", "HND", "write")],
+)
 def test_retrieval_over_quic_into_a_torch_destination(
-    tmp_path: Any, dtype: str, layout: str
+    tmp_path: Any, dtype: str, layout: str, path: str
 ) -> None:
-    asyncio.run(asyncio.wait_for(_publish_and_retrieve(tmp_path, dtype, layout), 60))
+    asyncio.run(asyncio.wait_for(_publish_and_retrieve(tmp_path, dtype, layout, path), 60))
 
 
 # --- CUDA (skipped without a GPU) ----------------------------------------------------------------
