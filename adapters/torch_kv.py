@@ -44,6 +44,11 @@ input                           zero-copy (CPU) when    otherwise
 page size, slot mapping)                                component
 ==============================  ======================  ===============================
 
+On CPU every copy and gather runs through numpy views of the same memory
+(``np.copyto``, numpy advanced indexing): single-threaded and, on a loaded
+machine, several times faster than torch's pooled copies
+(``benchmarks/bench_torch_adapter.py``); on CUDA they are torch's.
+
 A slot mapping gives, for every token ``t``, its slot ``page * page_size +
 offset`` in the paged cache (vLLM's ``slot_mapping``);
 :func:`slots_from_page_table` builds one from a page (block) table.
@@ -287,6 +292,35 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` (same shape, integer bits): numpy's copy on CPU, ``copy_`` else.
+
+    On CPU both are strided numpy views of the tensors' memory (no extra copy);
+    ``np.copyto`` is single-threaded and kept pace with the memory bus in
+    ``benchmarks/bench_torch_adapter.py``, where torch's pooled copy slowed down
+    many times over on a loaded machine.
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
+def _gather(hnd: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``hnd[p, h, s]`` (advanced indexing: a new contiguous tensor); numpy's on CPU."""
+    if hnd.device.type == "cpu":  # several times faster than torch's here, as _copy
+        return torch.from_numpy(hnd.numpy()[tuple(i.numpy() for i in index)])
+    return hnd[index]
+
+
+def _scatter(hnd: torch.Tensor, index: tuple[torch.Tensor, ...], src: torch.Tensor) -> None:
+    """``hnd[p, h, s] = src`` in place (``hnd`` a view of the engine's pages)."""
+    if hnd.device.type == "cpu":
+        hnd.numpy()[tuple(i.numpy() for i in index)] = src.numpy()
+    else:
+        hnd[index] = src
+
+
 def _host_out(out: object, size: int, what: str) -> torch.Tensor:
     """``out`` (a writable buffer or CPU tensor) as a flat uint8 CPU tensor of ``size`` octets."""
     if isinstance(out, torch.Tensor):
@@ -326,7 +360,7 @@ def _to_host(src: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor,
         if out is None
         else out.view(src.dtype).reshape(src.shape)
     )
-    dst.copy_(src)  # CPU: the gather; CUDA: the blocking device-to-host copy
+    _copy(dst, src)  # CPU: the gather; CUDA: the blocking device-to-host copy
     return dst, True
 
 
@@ -518,7 +552,7 @@ def paged_layer_sections(
     n, (p, h, s) = _slot_index(slot_mapping, k_hnd, descriptor, first_block, blocks, "k_pages")
     hosts = []
     for hnd in (k_hnd, v_hnd):
-        gathered = hnd[p, h, s]  # [n, H, B, D], contiguous: the one gather
+        gathered = _gather(hnd, (p, h, s))  # [n, H, B, D], contiguous: the one gather
         host, _ = _to_host(gathered, None)
         hosts.append(host)
     return _sections(first_block, n, descriptor.section_size, hosts[0], hosts[1], True)
@@ -940,7 +974,7 @@ class TorchKvDestination:
                     else (self.tokens, d.kv_heads, d.head_dim)
                 )
                 dst = torch.empty(shape, dtype=src.dtype, device=self.device)
-                target = dst
+                target = dst.view(_BITS[d.dtype])
             else:
                 dst = out[i]
                 bits, out_tokens = _check_layer(dst, d, layout, f"out[{i}]")
@@ -949,7 +983,7 @@ class TorchKvDestination:
                 _check_blocks(out_tokens, d, 0, self.blocks, f"out[{i}]")
                 target = bits
             view = _section_order(target, layout, 0, self.blocks, d.block_tokens)
-            view.copy_(src.view(view.dtype))
+            _copy(view, src.view(view.dtype))
             result.append(dst)
         return result[0], result[1]
 
@@ -980,7 +1014,7 @@ class TorchKvDestination:
             if hnd.device != self.device:
                 raise ValueError(f"{name} is on {hnd.device}, not {self.device}")
             _, (p, h, s) = _slot_index(slot_mapping, hnd, d, 0, self.blocks, name)
-            hnd[p, h, s] = src.view(hnd.dtype)
+            _scatter(hnd, (p, h, s), src.view(hnd.dtype))
 
 
 def _engine_view(paged: torch.Tensor, layout: str) -> torch.Tensor:

@@ -19,7 +19,9 @@ the same run it measures:
 * publisher: ``layer_sections`` from torch tensors in HND and NHD (one gather
   copy per component), ``paged_layer_sections`` from an NHD paged cache
   through a slot mapping (one gather);
-* ``Tensor.copy_`` of the same number of bytes, contiguous (a memcpy floor).
+* ``Tensor.copy_`` and ``np.copyto`` of the same number of bytes, contiguous
+  (memcpy floors; the adapter copies CPU tensors through numpy views, see
+  ``_copy`` in ``adapters/torch_kv.py``).
 
 Every row gives the bytes, the best of R runs (``time.perf_counter``), MB/s
 (MB = 10**6 bytes) and ``x sha256``: how many times faster than
@@ -39,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
 import torch
 
 from kvcs.adapters import numpy_kv as nk
@@ -132,8 +135,11 @@ def main() -> None:
 
     flat_src = torch.cat([k.reshape(-1), v.reshape(-1)])
     flat_dst = torch.empty_like(flat_src)
+    np_src = flat_src.view(tk._BITS[cd.dtype]).numpy()
+    np_dst = np.empty_like(np_src)
     cases: list[tuple[str, list[memoryview], Callable[[], object]]] = [
         ("Tensor.copy_, contiguous (memcpy floor)", engine, lambda: flat_dst.copy_(flat_src)),
+        ("np.copyto, contiguous (memcpy floor)", engine, lambda: np.copyto(np_dst, np_src)),
         (f"consumer: {2 * blocks} Objects -> dest, paged()", objects, receive_paged),
         (f"consumer: {2 * blocks} Objects -> dest, layer()", objects, receive_layer),
         (f"consumer: {2 * blocks} Objects -> layer(out=)", objects, receive_layer_out),
