@@ -32,7 +32,7 @@ refuses to run on a big-endian host (sections are little-endian).
 input                           zero-copy (CPU) when    otherwise
 ==============================  ======================  ===============================
 ``layer_sections`` HND          H == 1, or one block    one gather copy per component
-``[H, tokens, D]``              that is the whole axis  (``Tensor.copy_``)
+``[H, tokens, D]``              that is the whole axis
 ``layer_sections`` NHD          H == 1, or B == 1       one gather copy per component
 ``[tokens, H, D]``
 ``page_sections`` HND pages     always (CPU)            --
