@@ -24,7 +24,18 @@ MODULES=(kvcs kvcs.trio kvcs.transports kvcs.adapters kvcs_core)
     echo "build_docs.sh: pdoc is not installed: pip install -e '.[docs]'" >&2
     exit 2
 }
+# modules of an optional extra are documented where the extra is installed, and left
+# out (with a note) where it is not: "module:the import it needs"
+OPTIONAL=(kvcs.adapters.torch_kv:torch)
+EXCLUDE=()
+for entry in "${OPTIONAL[@]}"; do
+    module="${entry%%:*}" needs="${entry##*:}"
+    if ! "$PY" -c "import $needs" 2>/dev/null; then
+        echo "build_docs.sh: $needs is not installed: $module is left out of the reference" >&2
+        EXCLUDE+=("!$module")
+    fi
+done
 "$PY" -W error scripts/check_doc_refs.py "${MODULES[@]}"
 rm -rf "$OUT"
-"$PY" -W error -m pdoc --docformat google --output-directory "$OUT" "${MODULES[@]}"
+"$PY" -W error -m pdoc --docformat google --output-directory "$OUT" "${MODULES[@]}" "${EXCLUDE[@]}"
 echo "API reference: $OUT/index.html ($(find "$OUT" -name '*.html' | wc -l) pages)"
