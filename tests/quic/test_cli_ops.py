@@ -154,6 +154,13 @@ def test_relay_metrics_stats_and_client_progress(procs: Procs, tmp_path: Path) -
         for line in relay_lines
     ):
         relay_lines.append(json.loads(read_line(relay, 10, "a 'stats' line")))
+    # the -v count is logged once a second, apart from the 'stats' lines: wait for one
+    # taken after both clients left before stopping the relay
+    zero = re.compile(r"relay: 0 connections, \d+ tracks, cache \d+ bytes")
+    deadline = time.monotonic() + 10
+    while not zero.search(procs.stderr("relay")):
+        assert time.monotonic() < deadline, procs.stderr("relay")
+        time.sleep(0.1)
     os.kill(relay.pid, signal.SIGTERM)
     relay_lines += json_lines(procs.finish(relay, 30))
     assert relay.returncode == 0, procs.stderr("relay")
@@ -170,7 +177,7 @@ def test_relay_metrics_stats_and_client_progress(procs: Procs, tmp_path: Path) -
         # and at -v, the same in the log (stderr), once per connection
         logged = f"{line['connection']}: connection with {line['peer']} ended, {line['ended_by']}"
         assert procs.stderr("relay").count(logged) == 1, procs.stderr("relay")
-    assert re.search(r"relay: 0 connections, \d+ tracks, cache \d+ bytes", procs.stderr("relay"))
+    assert zero.search(procs.stderr("relay"))
 
     for name in ("qlog-relay", "qlog-pub", "qlog-fetch"):
         files = sorted((tmp_path / name).glob("*.qlog"))
