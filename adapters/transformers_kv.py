@@ -471,20 +471,23 @@ class LayerFeed:
 
 
 class ComputeTrace:
-    """Forward hooks recording ``("computed", layer, t)`` into ``feed.events`` each time a
-    decoder layer finishes (a context manager), to show the forward pass proceeding while
-    later layers are still arriving."""
+    """Forward hooks recording ``("computed", layer, t)`` into ``feed.events`` when a
+    decoder layer finishes its first forward pass (the pass over the uncached tokens; a
+    context manager), to show that pass proceeding while later layers still arrive."""
 
     def __init__(self, model: Any, feed: LayerFeed) -> None:
         self.feed = feed
         self._layers = decoder_layers(model)
         self._handles: list[Any] = []
+        self._seen: set[int] = set()
 
     def __enter__(self) -> ComputeTrace:
         for i, module in enumerate(self._layers):
 
             def hook(module: Any, args: Any, output: Any, i: int = i) -> None:
-                self.feed._record("computed", i)
+                if i not in self._seen:
+                    self._seen.add(i)
+                    self.feed._record("computed", i)
 
             self._handles.append(module.register_forward_hook(hook))
         return self
