@@ -74,10 +74,10 @@ def _model_options(p: argparse.ArgumentParser, *, role: str) -> None:
     p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     g = p.add_argument_group("model")
     g.add_argument(
-        "--model", type=Path, required=True, metavar="DIR",
-        help="a local Hugging Face model directory (config.json, weights, tokenizer)",
+        "--model", type=Path, metavar="DIR",
+        help="a local Hugging Face model directory (config.json, weights, tokenizer); required",
     )  # fmt: skip
-    src = g.add_mutually_exclusive_group(required=True)
+    src = g.add_mutually_exclusive_group()  # one is required (checked by Loaded: one line)
     src.add_argument("--prompt", metavar="TEXT", help="the prompt, tokenized with DIR's tokenizer")
     src.add_argument(
         "--tokens-file", type=Path, metavar="PATH",
@@ -204,6 +204,11 @@ class Loaded:
     """The model, its descriptor and the prompt's token IDs."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        if args.model is None:
+            raise CliError("--model DIR is required (a local Hugging Face model directory)",
+                           Exit.USAGE)  # fmt: skip
+        if args.prompt is None and args.tokens_file is None:
+            raise CliError("give the prompt: --prompt TEXT or --tokens-file PATH", Exit.USAGE)
         self.torch, transformers, self.tk = _imports()
         self.transformers = transformers
         d: Path = args.model
