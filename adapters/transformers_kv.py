@@ -217,10 +217,12 @@ def model_descriptor(
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     except (AttributeError, TypeError) as exc:
         raise ValueError(f"the config does not give the cache's sizes: {exc}") from None
-    keys = _VALUE_KEYS
+    keys: tuple[str, ...] = _VALUE_KEYS
     if getattr(text, "rope_parameters", None) is not None:  # 5.x: rope_scaling is its alias
         keys = tuple(k for k in keys if k not in ("rope_scaling", "rope_theta"))
-    extra = {key: _json_value(getattr(text, key)) for key in keys if getattr(text, key, None) is not None}
+    extra = {
+        key: _json_value(getattr(text, key)) for key in keys if getattr(text, key, None) is not None
+    }
     fields: dict[str, Any] = {
         "model": f"{model_id}@{revision}",
         "layers": layers,
@@ -268,9 +270,12 @@ def _check_full_attention(config: Any) -> None:
     text = _text_config(config)
     kinds = getattr(text, "layer_types", None) or ()
     other = sorted({k for k in kinds if k != "full_attention"})
-    if other or getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+    if other or (
+        getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    ):
         raise ValueError(
-            f"only full-attention caches are supported (this model has {other or 'a sliding window'})"
+            "only full-attention caches are supported "
+            f"(this model has {other or 'a sliding window'})"
         )
 
 
@@ -340,7 +345,7 @@ class PrefillTap:
 
     def _hook(self, layer: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, output: Any) -> None:
-            entry = self.cache.layers[layer]
+            entry: Any = self.cache.layers[layer]
             k, v = entry.keys, entry.values
             if k is None or v is None or k.dim() != 4 or k.shape[0] != 1:
                 raise ValueError(f"layer {layer}: no batch-1 K/V in the cache after the layer ran")
@@ -498,11 +503,11 @@ class ComputeTrace:
         self._handles.clear()
 
 
-class _StreamedLayer(DynamicLayer):
+class _StreamedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     """A full-attention cache layer whose first ``prefix`` tokens come from a feed."""
 
     def __init__(self, index: int, prefix: int, feed: LayerFeed) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.index = index
         self.prefix = prefix
         self.feed = feed
@@ -538,12 +543,20 @@ class StreamedCache(DynamicCache):
         Cache.__init__(self, layers=[_StreamedLayer(i, prefix, feed) for i in range(count)])
 
 
+def _kv_of(entry: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = getattr(entry, "keys", None), getattr(entry, "values", None)
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise ValueError(f"layer {layer} of the cache holds no K/V tensors")
+    return k, v
+
+
 def trimmed_cache(cache: Cache, config: Any, tokens: int) -> DynamicCache:
     """A new ``DynamicCache`` holding the first ``tokens`` tokens of ``cache`` (views):
     e.g. a prefill cache cut to ``input_ids[:, :-1]`` for ``generate()``."""
     out = DynamicCache(config=config)
     for layer, entry in enumerate(cache.layers):
-        out.update(entry.keys[:, :, :tokens], entry.values[:, :, :tokens], layer)
+        k, v = _kv_of(entry, layer)
+        out.update(k[:, :, :tokens], v[:, :, :tokens], layer)
     return out
 
 

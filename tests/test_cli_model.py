@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_model_dir, prompt_text  # noqa: E402
+from hf_models import build_model_dir, prompt_text
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "KVCS_CONFIG": ""}
 KVCS = [sys.executable, "-m", "kvcs"]
@@ -80,7 +80,7 @@ def relay() -> Iterator[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import torch
+    import torch  # noqa: PLC0415  (after the importorskip)
 
     root = tmp_path_factory.mktemp("models")
     return {
@@ -91,10 +91,29 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _generate(url: str, ca: str, model: Path, *extra: str) -> dict[str, Any]:
     r = subprocess.run(
-        [*KVCS, "generate", url, "--model", str(model), "--prompt", PROMPT, "--ca", ca,
-         "--max-new-tokens", str(NEW), "--json", "--fetch-timeout", "60", *extra],
-        capture_output=True, text=True, env=ENV, timeout=120,
-    )  # fmt: skip
+        [
+            *KVCS,
+            "generate",
+            url,
+            "--model",
+            str(model),
+            "--prompt",
+            PROMPT,
+            "--ca",
+            ca,
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+            "--fetch-timeout",
+            "60",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        check=False,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     return next(x for x in lines if x["event"] == "generated")
@@ -102,9 +121,21 @@ def _generate(url: str, ca: str, model: Path, *extra: str) -> dict[str, Any]:
 
 def _prefill(url: str, ca: str, model: Path, scope: str, *extra: str) -> Proc:
     return Proc(
-        "prefill", url, "--model", str(model), "--prompt", PROMPT, "--ca", ca, "--json",
-        "--scope-key", scope, "--serve-for", "90", *extra,
-    )  # fmt: skip
+        "prefill",
+        url,
+        "--model",
+        str(model),
+        "--prompt",
+        PROMPT,
+        "--ca",
+        ca,
+        "--json",
+        "--scope-key",
+        scope,
+        "--serve-for",
+        "90",
+        *extra,
+    )
 
 
 @pytest.mark.parametrize(("dtype", "scope"), [("bfloat16", "11" * 32), ("float16", "22" * 32)])
@@ -140,9 +171,11 @@ def test_q8_is_lossy_and_reported(relay: tuple[str, str], models: dict[str, Path
         producer.stop()
     assert got["cached_tokens"] == 64 and got["complete"] is True and got["codec"] == "q8"
     assert 0 <= got["matching_tokens"] <= NEW and got["max_logit_diff"] > 0
-    print(f"q8: {got['matching_tokens']}/{NEW} tokens match a cold generate (first "
-          f"{got['matching_prefix']} in a row); largest logit difference "
-          f"{got['max_logit_diff']:.4f}")  # fmt: skip
+    print(
+        f"q8: {got['matching_tokens']}/{NEW} tokens match a cold generate (first "
+        f"{got['matching_prefix']} in a row); largest logit difference "
+        f"{got['max_logit_diff']:.4f}"
+    )
 
 
 def test_the_forward_pass_runs_while_layers_arrive(
@@ -151,12 +184,21 @@ def test_the_forward_pass_runs_while_layers_arrive(
     url, ca = relay
     scope = "44" * 32
     pace = 1.0  # the producer's layers come this far apart
-    producer = _prefill(url, ca, models["bfloat16"], scope, "--layer-interval", str(pace),
-                        "--wait-for-subscriber", "60")  # fmt: skip
+    producer = _prefill(
+        url,
+        ca,
+        models["bfloat16"],
+        scope,
+        "--layer-interval",
+        str(pace),
+        "--wait-for-subscriber",
+        "60",
+    )
     try:
         producer.until("publishing")
-        got = _generate(url, ca, models["bfloat16"], "--scope-key", scope, "--trace",
-                        "--no-recompute")  # fmt: skip
+        got = _generate(
+            url, ca, models["bfloat16"], "--scope-key", scope, "--trace", "--no-recompute"
+        )
     finally:
         producer.stop()
     assert got["cached_tokens"] == 64
@@ -178,7 +220,9 @@ def _one_error(r: subprocess.CompletedProcess[str]) -> str:
 
 def test_bad_input_is_one_line_with_its_status(tmp_path: Path, models: dict[str, Path]) -> None:
     def kvcs(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*KVCS, *args], capture_output=True, text=True, env=ENV, timeout=60)
+        return subprocess.run(
+            [*KVCS, *args], capture_output=True, text=True, env=ENV, check=False, timeout=60
+        )
 
     url = "moqt://127.0.0.1:9"
     r = kvcs("generate", url, "--model", str(tmp_path / "nope"), "--prompt", "w5")
@@ -202,7 +246,13 @@ def test_without_transformers_the_error_names_the_extra(models: dict[str, Path])
         f"sys.exit(main(['generate', 'moqt://127.0.0.1:9', '--model', {str(models['bfloat16'])!r},"
         " '--prompt', 'w5']))"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
-                       timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        check=False,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "pip install 'kvcs[transformers]'" in _one_error(r)

@@ -16,14 +16,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
+from hf_models import build_model_dir, prompt_text  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 from kvcs.adapters import numpy_kv  # noqa: E402
 from kvcs.adapters import transformers_kv as tk  # noqa: E402
 from kvcs.adapters.torch_kv import TorchKvDestination, layer_sections  # noqa: E402
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor  # noqa: E402
-
-from hf_models import build_model_dir, prompt_text  # noqa: E402
 
 B = 16
 
@@ -38,9 +37,12 @@ def loaded(model_dir: Path) -> tuple[Any, Any, dict[str, Any]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     desc = tk.model_descriptor(
-        model.config, model_id="test", revision=tk.directory_revision(model_dir),
-        dtype=model.dtype, block_tokens=B,
-    )  # fmt: skip
+        model.config,
+        model_id="test",
+        revision=tk.directory_revision(model_dir),
+        dtype=model.dtype,
+        block_tokens=B,
+    )
     return model, tok, desc
 
 
@@ -78,9 +80,9 @@ def test_descriptor_from_the_config(loaded: Any, model_dir: Path) -> None:
 def test_rope_scaling_changes_the_compatibility_id(tmp_path: Path, loaded: Any) -> None:
     model, _, _ = loaded
     scaled = build_model_dir(
-        tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0,
-                                           "rope_theta": 10000.0},
-    )  # fmt: skip
+        tmp_path / "scaled",
+        rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    )
     config = AutoModelForCausalLM.from_pretrained(scaled, local_files_only=True).config
     a = tk.model_descriptor(model.config, model_id="m", revision="r", dtype=torch.bfloat16)
     b = tk.model_descriptor(config, model_id="m", revision="r", dtype=torch.bfloat16)
@@ -132,8 +134,9 @@ def test_generate_reuses_a_cache_of_all_but_the_last_token(loaded: Any) -> None:
     assert cache.get_seq_length() == 48
     with torch.inference_mode():
         cold = model.generate(ids, max_new_tokens=8, do_sample=False)
-        warm = model.generate(ids, max_new_tokens=8, do_sample=False,
-                              **tk.cache_kwargs(model, cache))  # fmt: skip
+        warm = model.generate(
+            ids, max_new_tokens=8, do_sample=False, **tk.cache_kwargs(model, cache)
+        )
     assert warm.tolist() == cold.tolist()
 
 
@@ -159,8 +162,9 @@ def test_each_layer_is_handed_over_as_soon_as_it_has_run(loaded: Any) -> None:
     assert [e[1] for e in tap.events] == [0, 1, 2, 3]
     for layer, sections, _ in seen:  # the published bits are the final cache's, 4 blocks
         entry = cache.layers[layer]
-        want = layer_sections(entry.keys[0, :, :64].contiguous(),
-                              entry.values[0, :, :64].contiguous(), cd)  # fmt: skip
+        want = layer_sections(
+            entry.keys[0, :, :64].contiguous(), entry.values[0, :, :64].contiguous(), cd
+        )
         assert len(sections.k) == 4
         assert bytes(sections.k_data) == bytes(want.k_data)
         assert bytes(sections.v_data) == bytes(want.v_data)
@@ -183,7 +187,9 @@ def test_a_model_with_other_layer_counts_is_refused(loaded: Any) -> None:
 def _destination(cd: CompatibilityDescriptor, cache: DynamicCache, n: int) -> TorchKvDestination:
     dest = TorchKvDestination(cd, n)
     for layer, entry in enumerate(cache.layers):
-        s = layer_sections(entry.keys[0, :, :n].contiguous(), entry.values[0, :, :n].contiguous(), cd)
+        s = layer_sections(
+            entry.keys[0, :, :n].contiguous(), entry.values[0, :, :n].contiguous(), cd
+        )
         dest.buffer(layer, "k")[:] = s.k_data
         dest.buffer(layer, "v")[:] = s.v_data
     return dest
@@ -214,7 +220,9 @@ def test_the_forward_pass_goes_layer_by_layer_as_the_cache_arrives(loaded: Any) 
     finally:
         thread.join(10)
     with torch.inference_mode():
-        want = model(ids[:, n:], **tk.cache_kwargs(model, tk.trimmed_cache(producer, model.config, n))).logits
+        want = model(
+            ids[:, n:], **tk.cache_kwargs(model, tk.trimmed_cache(producer, model.config, n))
+        ).logits
     assert torch.equal(got, want)
     at = {(w, layer): t for w, layer, t in feed.events}
     assert at[("computed", 0)] < at[("arrived", 3)]  # layer 0 ran before the last arrived
@@ -233,8 +241,10 @@ def test_a_layer_that_will_not_arrive_stops_the_forward_pass(loaded: Any) -> Non
     feed.ready(0)
     feed.ready(1)
     feed.fail("objects missing")
-    with pytest.raises(tk.CacheUnavailable, match="layer 2 will not arrive: objects missing"), \
-            torch.inference_mode():  # fmt: skip
+    with (
+        pytest.raises(tk.CacheUnavailable, match="layer 2 will not arrive: objects missing"),
+        torch.inference_mode(),
+    ):
         model(ids[:, 32:], **tk.cache_kwargs(model, tk.StreamedCache(model.config, 32, feed)))
     late = tk.LayerFeed(dest, 4, timeout=0.05)
     with pytest.raises(tk.CacheUnavailable, match="did not arrive within"):
@@ -263,8 +273,11 @@ def test_q8_layers_decode_into_the_destination(loaded: Any) -> None:
     dest = TorchKvDestination(cd, 32)
     for layer, entry in enumerate(producer.layers):
         s = layer_sections(entry.keys[0].contiguous(), entry.values[0].contiguous(), cd)
-        parts = [bytes(numpy_kv.q8_encode(sec, cd)) for pair in zip(s.k, s.v, strict=True)
-                 for sec in pair]  # fmt: skip
+        parts = [
+            bytes(numpy_kv.q8_encode(sec, cd))
+            for pair in zip(s.k, s.v, strict=True)
+            for sec in pair
+        ]
         staging.buffer(layer, "kv")[:] = b"".join(parts)
         tk.q8_layer_into(staging, layer, dest)
         dest.layer_ready(layer)

@@ -74,52 +74,84 @@ def _model_options(p: argparse.ArgumentParser, *, role: str) -> None:
     p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     g = p.add_argument_group("model")
     g.add_argument(
-        "--model", type=Path, metavar="DIR",
+        "--model",
+        type=Path,
+        metavar="DIR",
         help="a local Hugging Face model directory (config.json, weights, tokenizer); required",
-    )  # fmt: skip
+    )
     src = g.add_mutually_exclusive_group()  # one is required (checked by Loaded: one line)
     src.add_argument("--prompt", metavar="TEXT", help="the prompt, tokenized with DIR's tokenizer")
     src.add_argument(
-        "--tokens-file", type=Path, metavar="PATH",
+        "--tokens-file",
+        type=Path,
+        metavar="PATH",
         help="the prompt's token IDs (.npy, .json or whitespace-separated text)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--model-id", default="local", metavar="ID",
+        "--model-id",
+        default="local",
+        metavar="ID",
         help="the model's name in the descriptor (default 'local')",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--revision", metavar="REV",
+        "--revision",
+        metavar="REV",
         help="the weights' revision in the descriptor (default: sha256 of DIR's config.json "
         "and weight files)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+        "--dtype",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        default="auto",
         help="load the model (and its cache) in this dtype (default auto: as saved)",
-    )  # fmt: skip
+    )
     g.add_argument("--block-tokens", type=int, default=16, help="tokens per block (default 16)")
     g.add_argument(
-        "--codec", choices=CODECS, default="raw",
+        "--codec",
+        choices=CODECS,
+        default="raw",
         help="raw: k.raw/v.raw tracks (exact); q8: the joint kv.q8 track (lossy, about half "
         "the bytes); prefill publishes the tracks of this codec (default raw)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-new-tokens", type=int, default=0 if role == "prefill" else 32, metavar="N",
+        "--max-new-tokens",
+        type=int,
+        default=0 if role == "prefill" else 32,
+        metavar="N",
         help="greedy-decode N tokens "
-        + ("after publishing, from the producer's own cache (default 0: none)"
-           if role == "prefill" else "(default 32)"),
-    )  # fmt: skip
+        + (
+            "after publishing, from the producer's own cache (default 0: none)"
+            if role == "prefill"
+            else "(default 32)"
+        ),
+    )
     k = p.add_argument_group("keys")
     scope = k.add_mutually_exclusive_group()
-    scope.add_argument("--scope-key", metavar="HEX", help="32-octet scope key in hex "
-                       "(default: all zeros, for demos only)")  # fmt: skip
-    scope.add_argument("--scope-key-file", type=Path, metavar="FILE",
-                       help="file holding the 32-octet scope key (raw or hex)")  # fmt: skip
+    scope.add_argument(
+        "--scope-key",
+        metavar="HEX",
+        help="32-octet scope key in hex (default: all zeros, for demos only)",
+    )
+    scope.add_argument(
+        "--scope-key-file",
+        type=Path,
+        metavar="FILE",
+        help="file holding the 32-octet scope key (raw or hex)",
+    )
     if role == "prefill":
-        k.add_argument("--sign-key", type=Path, metavar="PEM",
-                       help="producer private key (Ed25519 or P-256): publish manifest.cose")  # fmt: skip
+        k.add_argument(
+            "--sign-key",
+            type=Path,
+            metavar="PEM",
+            help="producer private key (Ed25519 or P-256): publish manifest.cose",
+        )
     else:
-        k.add_argument("--producer-key", type=Path, metavar="PEM",
-                       help="trusted producer public key: require a signed manifest")  # fmt: skip
+        k.add_argument(
+            "--producer-key",
+            type=Path,
+            metavar="PEM",
+            help="trusted producer public key: require a signed manifest",
+        )
     k.add_argument("--kid", metavar="ID", help="key ID of the producer key (default 'producer')")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_tls_options(p)
@@ -129,52 +161,73 @@ def _model_options(p: argparse.ArgumentParser, *, role: str) -> None:
 
 def add_prefill(sub: Any, each: dict[str, Any]) -> None:
     p = sub.add_parser(
-        "prefill", help="run a local HF model on a prompt, publishing its KV cache per layer",
+        "prefill",
+        help="run a local HF model on a prompt, publishing its KV cache per layer",
         **each,
-    )  # fmt: skip
+    )
     _model_options(p, role="prefill")
     p.add_argument("--publication-id", metavar="HEX", help="16 octets (default: random)")
     p.add_argument(
-        "--layer-interval", type=float, default=0.0, metavar="S",
+        "--layer-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
         help="sleep S seconds after each decoder layer (simulates a slower prefill)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--wait-for-subscriber", type=float, metavar="S",
+        "--wait-for-subscriber",
+        type=float,
+        metavar="S",
         help="before the prefill, wait up to S seconds until every data track is subscribed",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--serve-for", type=float, metavar="S",
+        "--serve-for",
+        type=float,
+        metavar="S",
         help="after publishing, serve S more seconds then exit (default: until interrupted)",
-    )  # fmt: skip
+    )
 
 
 def add_generate(sub: Any, each: dict[str, Any]) -> None:
     p = sub.add_parser(
-        "generate", help="retrieve a prompt's KV cache and continue generation (HF model)",
+        "generate",
+        help="retrieve a prompt's KV cache and continue generation (HF model)",
         **each,
-    )  # fmt: skip
+    )
     _model_options(p, role="generate")
     p.add_argument(
-        "--no-recompute", dest="recompute", action="store_false",
+        "--no-recompute",
+        dest="recompute",
+        action="store_false",
         help="skip the cold generate() (full recompute) that the report compares with",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--fetch-timeout", type=float, default=120.0, metavar="S",
+        "--fetch-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
         help="give up waiting for the cache after S seconds and recompute (default 120)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--stall-timeout", type=float, default=10.0, metavar="S",
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
         help="a session that delivers nothing for S seconds is given up (default 10)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--recovery-time", type=float, default=2.0, metavar="S",
+        "--recovery-time",
+        type=float,
+        default=2.0,
+        metavar="S",
         help="how long to try to recover missing objects (default 2)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--trace", action="store_true",
+        "--trace",
+        action="store_true",
         help="add the per-layer events (arrived / taken / computed, ms after the start) "
         "to the report",
-    )  # fmt: skip
+    )
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -184,19 +237,19 @@ def _imports() -> tuple[ModuleType, ModuleType, ModuleType]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
-        import torch
-        import transformers
+        import torch  # noqa: PLC0415  (optional: kvcs[transformers])
+        import transformers  # noqa: PLC0415
 
-        from kvcs.adapters import transformers_kv
+        from kvcs.adapters import transformers_kv  # noqa: PLC0415
     except ImportError as exc:
         raise CliError(
             f"this command needs torch and transformers ({exc.name or exc} is missing): "
             f"{INSTALL_HINT}",
             Exit.USAGE,
         ) from None
-    transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     with contextlib.suppress(AttributeError):
-        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     return torch, transformers, transformers_kv
 
 
@@ -205,8 +258,9 @@ class Loaded:
 
     def __init__(self, args: argparse.Namespace) -> None:
         if args.model is None:
-            raise CliError("--model DIR is required (a local Hugging Face model directory)",
-                           Exit.USAGE)  # fmt: skip
+            raise CliError(
+                "--model DIR is required (a local Hugging Face model directory)", Exit.USAGE
+            )
         if args.prompt is None and args.tokens_file is None:
             raise CliError("give the prompt: --prompt TEXT or --tokens-file PATH", Exit.USAGE)
         self.torch, transformers, self.tk = _imports()
@@ -250,8 +304,9 @@ class Loaded:
             self.tokens = tuple(int(t) for t in self.tokenizer(args.prompt)["input_ids"])
         vocab = int(self.model.config.get_text_config(decoder=True).vocab_size)
         if any(not 0 <= t < vocab for t in self.tokens):
-            raise CliError(f"a token ID is outside the model's vocabulary (0..{vocab - 1})",
-                           Exit.USAGE)  # fmt: skip
+            raise CliError(
+                f"a token ID is outside the model's vocabulary (0..{vocab - 1})", Exit.USAGE
+            )
         self.ids = self.torch.tensor([self.tokens], dtype=self.torch.long)
 
     def text(self, tokens: list[int]) -> str | None:
@@ -299,7 +354,7 @@ class _Handoff:
 def _greedy(loaded: Loaded, cache: Any, n: int, stamp: list[float]) -> tuple[list[int], Any]:
     """``generate()`` greedily for ``n`` tokens: the new tokens and the logits of each step;
     ``stamp`` gets the time of the first new token."""
-    from transformers.generation.streamers import BaseStreamer
+    from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
 
     class FirstToken(BaseStreamer):
         calls = 0
@@ -365,16 +420,26 @@ async def prefill(b: ModuleType, args: argparse.Namespace) -> int:
         except PublisherError as exc:
             raise CliError(f"cannot publish: {exc}", Exit.USAGE) from None
         ns = pub.publisher.namespace
-        commands.report(args, event="publishing", namespace=format_namespace(ns),
-                        layers=cd.layers, tokens=published, codec=args.codec)  # fmt: skip
+        commands.report(
+            args,
+            event="publishing",
+            namespace=format_namespace(ns),
+            layers=cd.layers,
+            tokens=published,
+            codec=args.codec,
+        )
         if args.wait_for_subscriber:
             await commands._wait_subscribed(b, client, pub, args.wait_for_subscriber)
         handoff = _Handoff(b)
         cache = loaded.transformers.DynamicCache(config=loaded.model.config)
         tap = tk.PrefillTap(
-            loaded.model, cache, loaded.descriptor, lambda layer, s: handoff.put((layer, s)),
-            tokens=published, pace=args.layer_interval,
-        )  # fmt: skip
+            loaded.model,
+            cache,
+            loaded.descriptor,
+            lambda layer, s: handoff.put((layer, s)),
+            tokens=published,
+            pace=args.layer_interval,
+        )
         t0 = time.perf_counter()
         timing: dict[str, float] = {}
 
@@ -396,17 +461,20 @@ async def prefill(b: ModuleType, args: argparse.Namespace) -> int:
 
         await b.gather(lambda: _in_thread(b, forward), publish_layers)
         if len(sent) != cd.layers:
-            raise CliError(f"the prefill published {len(sent)} of {cd.layers} layers",
-                           Exit.FAILED)  # fmt: skip
+            raise CliError(f"the prefill published {len(sent)} of {cd.layers} layers", Exit.FAILED)
         await pub.finish()
         await pub.drained(timeout=None if args.serve_for is None else args.serve_for + 60)
         commands.report(
-            args, event="published", namespace=format_namespace(ns), layers=cd.layers,
-            tokens=published, bytes=pub.publisher.total_bytes,
+            args,
+            event="published",
+            namespace=format_namespace(ns),
+            layers=cd.layers,
+            tokens=published,
+            bytes=pub.publisher.total_bytes,
             prefill_ms=round(timing["prefill"] * 1e3, 1),
             layers_ms=[round(x * 1e3, 1) for x in sent],
             hooks_ms=[round((t - t0) * 1e3, 1) for _, _, t in tap.events],
-        )  # fmt: skip
+        )
         if args.max_new_tokens:
             own = tk.trimmed_cache(
                 cache, loaded.model.config, tk.reusable_tokens(len(loaded.tokens), 1)
@@ -441,7 +509,7 @@ async def generate(b: ModuleType, args: argparse.Namespace) -> int:
             f"block of {cd.block_tokens}",
             Exit.USAGE,
         )
-    from kvcs.adapters.torch_kv import TorchKvDestination
+    from kvcs.adapters.torch_kv import TorchKvDestination  # noqa: PLC0415
 
     dest = TorchKvDestination(cd, wanted)
     staging = tk.Q8Staging(cd, wanted) if args.codec == "q8" else None
@@ -463,10 +531,8 @@ async def generate(b: ModuleType, args: argparse.Namespace) -> int:
         )
         layers = retrieval.layers(timeout=args.fetch_timeout).__aiter__()
         first: int | None = None
-        try:
+        with contextlib.suppress(StopAsyncIteration, TimeoutError):
             first = await layers.__anext__()
-        except (StopAsyncIteration, TimeoutError):
-            pass
         first_ms = None if first is None else round((time.perf_counter() - t0) * 1e3, 1)
         selected = [e for e in retrieval.events if isinstance(e, PublicationSelected) and e.primary]
         if first is not None and selected:
