@@ -150,6 +150,16 @@ def test_a_real_model_end_to_end_over_quic(
         assert len(published["hooks_ms"]) == 4
         own = producer.until("generated")["new_tokens"]  # the producer's own cache
         got = _generate(url, ca, models[dtype], "--scope-key", scope)
+        whole = _generate(
+            url,
+            ca,
+            models[dtype],
+            "--scope-key",
+            scope,
+            "--after-retrieval",
+            "--no-recompute",
+            "--trace",
+        )
     finally:
         producer.stop()
     assert got["cached_tokens"] == 64 and got["complete"] is True
@@ -158,6 +168,10 @@ def test_a_real_model_end_to_end_over_quic(
     assert got["same_as_recompute"] is True and got["matching_tokens"] == NEW  # and a cold one
     assert got["text"] == " ".join(f"w{t}" for t in own)
     assert got["ttft_ms"] > 0 and got["ttft_recompute_ms"] > 0
+    # --after-retrieval: every layer is in before the forward pass takes the first one
+    assert whole["new_tokens"] == own and whole["cached_tokens"] == 64
+    at = {(w, layer): t for w, layer, t in whole["events"]}
+    assert max(at[("arrived", n)] for n in range(4)) <= at[("taken", 0)]
 
 
 def test_q8_is_lossy_and_reported(relay: tuple[str, str], models: dict[str, Path]) -> None:

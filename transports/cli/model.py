@@ -223,6 +223,12 @@ def add_generate(sub: Any, each: dict[str, Any]) -> None:
         help="how long to try to recover missing objects (default 2)",
     )
     p.add_argument(
+        "--after-retrieval",
+        action="store_true",
+        help="start generate() only once the whole cache is received and verified (the "
+        "baseline without pipelining; default: as soon as the first layer is usable)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="add the per-layer events (arrived / taken / computed, ms after the start) "
@@ -565,8 +571,12 @@ async def generate(b: ModuleType, args: argparse.Namespace) -> int:
                     stamp.clear()
             return _greedy(loaded, None, args.max_new_tokens, stamp)
 
-        results: list[Any] = await b.gather(feed_layers, lambda: _in_thread(b, run_generate))
-        new, logits = results[1]
+        if args.after_retrieval:  # the baseline without pipelining: every layer first
+            await feed_layers()
+            new, logits = await _in_thread(b, run_generate)
+        else:
+            results: list[Any] = await b.gather(feed_layers, lambda: _in_thread(b, run_generate))
+            new, logits = results[1]
         ttft = stamp[0] - t0 if stamp else None
         result = None
         with contextlib.suppress(TimeoutError):
