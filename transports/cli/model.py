@@ -314,6 +314,10 @@ class Loaded:
                 f"a token ID is outside the model's vocabulary (0..{vocab - 1})", Exit.USAGE
             )
         self.ids = self.torch.tensor([self.tokens], dtype=self.torch.long)
+        # one short untimed forward pass first: the first call of a process pays one-time
+        # set-up costs (kernels, thread pools) that a serving model has long paid
+        with self.torch.inference_mode():
+            self.model(self.ids[:, : min(8, self.ids.shape[1])])
 
     def text(self, tokens: list[int]) -> str | None:
         if self.tokenizer is None:
