@@ -284,11 +284,16 @@ class Loaded:
                 d, dtype=dtype, local_files_only=True
             )
             self.model.eval()
-            self.tokenizer = (
-                transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
-                if args.prompt is not None or args.max_new_tokens
-                else None
-            )
+            self.tokenizer = None
+            if args.prompt is not None:
+                self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+                    d, local_files_only=True
+                )
+            elif args.max_new_tokens:  # only to print the text: token IDs do without
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+                        d, local_files_only=True
+                    )
             revision = args.revision or self.tk.directory_revision(d)
         except (OSError, ValueError, KeyError) as exc:
             raise CliError(f"--model: {d}: cannot load the model: {exc}", Exit.FILE) from None
