@@ -73,8 +73,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers import DynamicCache  # type: ignore[import-not-found, unused-ignore]
+from transformers.cache_utils import (  # type: ignore[import-not-found, unused-ignore]
+    Cache,
+    DynamicLayer,
+)
 
 from kvcs.adapters.numpy_kv import q8_decode_section
 from kvcs.adapters.torch_kv import TorchKvDestination, layer_sections
@@ -503,33 +506,36 @@ class ComputeTrace:
         self._handles.clear()
 
 
-class _StreamedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+class _StreamedLayer(DynamicLayer):  # type: ignore[misc, no-untyped-call, unused-ignore]
     """A full-attention cache layer whose first ``prefix`` tokens come from a feed."""
 
     def __init__(self, index: int, prefix: int, feed: LayerFeed) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.index = index
         self.prefix = prefix
         self.feed = feed
 
     def get_seq_length(self) -> int:
-        if not self.is_initialized:
+        if not self.is_initialized:  # type: ignore[has-type, unused-ignore]
             return self.prefix
-        return super().get_seq_length()
+        return int(super().get_seq_length())
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
+        if not self.is_initialized:  # type: ignore[has-type, unused-ignore]
             k, v = self.feed.get(self.index, self.prefix)
             self.device = key_states.device
             self.keys = k.to(key_states.device, key_states.dtype)
             self.values = v.to(value_states.device, value_states.dtype)
             self.is_initialized = True
-        return super().update(key_states, value_states, *args, **kwargs)
+        out: tuple[torch.Tensor, torch.Tensor] = super().update(
+            key_states, value_states, *args, **kwargs
+        )
+        return out
 
 
-class StreamedCache(DynamicCache):
+class StreamedCache(DynamicCache):  # type: ignore[misc, unused-ignore]
     """A ``DynamicCache`` whose first ``prefix`` tokens arrive over the network, layer by
     layer: decoder layer ``l`` waits (in its ``update``) until layer ``l`` is usable.
 

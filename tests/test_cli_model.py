@@ -225,6 +225,22 @@ def test_the_forward_pass_runs_while_layers_arrive(
     assert got["ttft_ms"] >= at[("arrived", 3)]
 
 
+def test_a_cache_that_is_not_there_is_recomputed_with_a_warning(
+    relay: tuple[str, str], models: dict[str, Path]
+) -> None:
+    url, ca = relay
+    r = subprocess.run(
+        [*KVCS, "generate", url, "--model", str(models["bfloat16"]), "--prompt", PROMPT,
+         "--ca", ca, "--max-new-tokens", "4", "--json", "--no-recompute", "--fetch-timeout",
+         "20", "--scope-key", "55" * 32],
+        capture_output=True, text=True, env=ENV, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["cached_tokens"] == 0 and got["complete"] is False and len(got["new_tokens"]) == 4
+    assert "no cache used" in r.stderr and "recomputed" in r.stderr
+
+
 def _one_error(r: subprocess.CompletedProcess[str]) -> str:
     lines = r.stderr.strip().splitlines()
     errors = [x for x in lines if x.startswith("kvcs: error: ")]

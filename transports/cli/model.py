@@ -244,7 +244,7 @@ def _imports() -> tuple[ModuleType, ModuleType, ModuleType]:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         import torch  # noqa: PLC0415  (optional: kvcs[transformers])
-        import transformers  # noqa: PLC0415
+        import transformers  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415
 
         from kvcs.adapters import transformers_kv  # noqa: PLC0415
     except ImportError as exc:
@@ -253,9 +253,9 @@ def _imports() -> tuple[ModuleType, ModuleType, ModuleType]:
             f"{INSTALL_HINT}",
             Exit.USAGE,
         ) from None
-    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call, unused-ignore]
     with contextlib.suppress(AttributeError):
-        transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call, unused-ignore]
     return torch, transformers, transformers_kv
 
 
@@ -369,9 +369,11 @@ class _Handoff:
 def _greedy(loaded: Loaded, cache: Any, n: int, stamp: list[float]) -> tuple[list[int], Any]:
     """``generate()`` greedily for ``n`` tokens: the new tokens and the logits of each step;
     ``stamp`` gets the time of the first new token."""
-    from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
+    from transformers.generation.streamers import (  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415
+        BaseStreamer,
+    )
 
-    class FirstToken(BaseStreamer):
+    class FirstToken(BaseStreamer):  # type: ignore[misc, unused-ignore]
         calls = 0
 
         def put(self, value: Any) -> None:
