@@ -18,7 +18,7 @@ For each model (random Llamas built locally, no downloads) the benchmark starts 
   producer's prefill, and is compared with the producer's own prefill time.
 
 Usage: ``python benchmarks/bench_transformers_ttft.py [--large-layers 16 --large-hidden
-2048 --large-tokens 2048] [--skip-large]``. Needs ``kvcs[transformers]``.
+2048 --large-tokens 2048] [--uncached N] [--skip-large]``. Needs ``kvcs[transformers]``.
 """
 
 from __future__ import annotations
@@ -76,9 +76,15 @@ def _stop(p: subprocess.Popen[str]) -> None:
             p.wait(10)
 
 
-def measure(name: str, model: Path, tokens: int, url: str, ca: str, scope: int) -> None:
-    prompt = prompt_text(tokens + 1)  # the full blocks of all but the last token are reused
-    base = ["--model", str(model), "--prompt", prompt, "--ca", ca, "--json"]
+def measure(
+    name: str, model: Path, tokens: int, uncached: int, url: str, ca: str, scope: int
+) -> None:
+    # the cache covers `tokens` (full blocks); `uncached` more are computed by the consumer
+    # (the producer's prompt is the shared prefix: its cache is found as the longest
+    # published prefix of the consumer's longer prompt)
+    prompt = prompt_text(tokens + uncached)
+    shared = prompt if uncached == 1 else prompt_text(tokens)
+    base = ["--model", str(model), "--prompt", shared, "--ca", ca, "--json"]
     key = ["--scope-key", f"{scope:02x}" * 32]
     producer = subprocess.Popen(
         [*KVCS, "prefill", url, *base, *key, "--serve-for", "1800"],
@@ -106,7 +112,8 @@ def measure(name: str, model: Path, tokens: int, url: str, ca: str, scope: int) 
     finally:
         _stop(producer)
     mb = pub["bytes"] / 1e6
-    print(f"\n{name}: {tokens} cached tokens, cache {mb:.1f} MB; producer prefill "
+    print(f"\n{name}: {tokens} cached + {uncached} uncached tokens, cache {mb:.1f} MB; "
+          "producer prefill "
           f"{pub['prefill_ms']:.0f} ms")  # fmt: skip
     print(f"  completed cache, streamed into generate(): ttft {streamed['ttft_ms']:8.0f} ms "
           f"(first layer usable at {streamed['first_layer_ms']} ms)")  # fmt: skip
@@ -125,6 +132,13 @@ def main() -> None:
     ap.add_argument("--large-hidden", type=int, default=2048)
     ap.add_argument("--large-tokens", type=int, default=2048)
     ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument(
+        "--uncached",
+        type=int,
+        default=1,
+        help="prompt tokens after the cached ones, computed by the consumer (default 1; "
+        "above 1 the producer publishes the first tokens only, a shared prefix)",
+    )
     args = ap.parse_args()
     import torch  # noqa: PLC0415  (after the path set-up)
 
@@ -140,7 +154,7 @@ def main() -> None:
             url, ca = first["url"], first["ca"]
             small = build_model_dir(root / "small", dtype=torch.bfloat16)
             measure("small Llama (4 layers, hidden 256, 2 KV heads)", small, args.small_tokens,
-                    url, ca, 0x10)  # fmt: skip
+                    args.uncached, url, ca, 0x10)  # fmt: skip
             if not args.skip_large:
                 t = time.perf_counter()
                 heads = args.large_hidden // 128
@@ -152,7 +166,7 @@ def main() -> None:
                 measure(
                     f"large Llama ({args.large_layers} layers, hidden {args.large_hidden}, "
                     f"{heads} heads, {max(1, heads // 2)} KV heads)",
-                    large, args.large_tokens, url, ca, 0x20,
+                    large, args.large_tokens, args.uncached, url, ca, 0x20,
                 )  # fmt: skip
         finally:
             _stop(relay)
