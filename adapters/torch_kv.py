@@ -32,7 +32,7 @@ refuses to run on a big-endian host (sections are little-endian).
 input                           zero-copy (CPU) when    otherwise
 ==============================  ======================  ===============================
 ``layer_sections`` HND          H == 1, or one block    one gather copy per component
-``[H, tokens, D]``              that is the whole axis  (``Tensor.copy_``)
+``[H, tokens, D]``              that is the whole axis
 ``layer_sections`` NHD          H == 1, or B == 1       one gather copy per component
 ``[tokens, H, D]``
 ``page_sections`` HND pages     always (CPU)            --
@@ -43,6 +43,11 @@ input                           zero-copy (CPU) when    otherwise
 (either page order, any                                 through the slot mapping) per
 page size, slot mapping)                                component
 ==============================  ======================  ===============================
+
+On CPU every copy and gather runs through numpy views of the same memory
+(``np.copyto``, numpy advanced indexing): single-threaded and, on a loaded
+machine, several times faster than torch's pooled copies
+(``benchmarks/bench_torch_adapter.py``); on CUDA they are torch's.
 
 A slot mapping gives, for every token ``t``, its slot ``page * page_size +
 offset`` in the paged cache (vLLM's ``slot_mapping``);
@@ -80,8 +85,9 @@ an engine's own paged cache (:meth:`~TorchKvDestination.scatter_into_pages`).
   the layer's CUDA event; ``wait_layer(l)`` makes the current stream wait for
   that event (the host does not block).
 * CUDA, the ``write`` path (:meth:`~TorchKvDestination.write`, one call per
-  verified Object, e.g. from ``retrieval.consumer.data`` when no destinations
-  are given): the Data is copied into the next slot of a bounded, reused ring of
+  verified Object, e.g. from ``retrieval.consumer.data(layer, component, block)``
+  when no destinations are given; ``q8`` Data is decoded in place of the copy): the Data is copied
+  into the next slot of a bounded, reused ring of
   ``ring_slots`` pinned section buffers and copied at once to its block's place
   on the device on the side stream; each slot remembers the CUDA event of its
   last copy, and :meth:`_PinnedRing.acquire` waits for that event before the
@@ -115,8 +121,10 @@ from kvcs.adapters.numpy_kv import (
     _check_blocks,
     _check_layout,
     _component,
+    q8_decode_section,
 )
 from kvcs_core.kvcs.names import Component
+from kvcs_core.kvsp.codecs import Codec, codec_from_value, q8_size
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 from kvcs_core.kvsp.dtypes import Dtype
 from kvcs_core.kvsp.errors import SectionError
@@ -284,6 +292,35 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` (same shape, integer bits): numpy's copy on CPU, ``copy_`` else.
+
+    On CPU both are strided numpy views of the tensors' memory (no extra copy);
+    ``np.copyto`` is single-threaded and kept pace with the memory bus in
+    ``benchmarks/bench_torch_adapter.py``, where torch's pooled copy slowed down
+    many times over on a loaded machine.
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
+def _gather(hnd: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``hnd[p, h, s]`` (advanced indexing: a new contiguous tensor); numpy's on CPU."""
+    if hnd.device.type == "cpu":  # several times faster than torch's here, as _copy
+        return torch.from_numpy(hnd.numpy()[tuple(i.numpy() for i in index)])
+    return hnd[index]
+
+
+def _scatter(hnd: torch.Tensor, index: tuple[torch.Tensor, ...], src: torch.Tensor) -> None:
+    """``hnd[p, h, s] = src`` in place (``hnd`` a view of the engine's pages)."""
+    if hnd.device.type == "cpu":
+        hnd.numpy()[tuple(i.numpy() for i in index)] = src.numpy()
+    else:
+        hnd[index] = src
+
+
 def _host_out(out: object, size: int, what: str) -> torch.Tensor:
     """``out`` (a writable buffer or CPU tensor) as a flat uint8 CPU tensor of ``size`` octets."""
     if isinstance(out, torch.Tensor):
@@ -323,7 +360,7 @@ def _to_host(src: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor,
         if out is None
         else out.view(src.dtype).reshape(src.shape)
     )
-    dst.copy_(src)  # CPU: the gather; CUDA: the blocking device-to-host copy
+    _copy(dst, src)  # CPU: the gather; CUDA: the blocking device-to-host copy
     return dst, True
 
 
@@ -515,7 +552,7 @@ def paged_layer_sections(
     n, (p, h, s) = _slot_index(slot_mapping, k_hnd, descriptor, first_block, blocks, "k_pages")
     hosts = []
     for hnd in (k_hnd, v_hnd):
-        gathered = hnd[p, h, s]  # [n, H, B, D], contiguous: the one gather
+        gathered = _gather(hnd, (p, h, s))  # [n, H, B, D], contiguous: the one gather
         host, _ = _to_host(gathered, None)
         hosts.append(host)
     return _sections(first_block, n, descriptor.section_size, hosts[0], hosts[1], True)
@@ -730,6 +767,9 @@ class TorchKvDestination:
             self._stream = _new_stream(self.device)
             # the zero fill runs on the current stream: the side stream's copies come after it
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            # and the caching allocator must not hand the storage out again while a
+            # side-stream copy into it may still run
+            self._storage.record_stream(self._stream)
 
     # -- where the wire's bytes go
 
@@ -765,17 +805,30 @@ class TorchKvDestination:
         size = self.descriptor.section_size
         return self.buffer(layer, component)[block * size : (block + 1) * size]
 
-    def write(self, layer: int, component: Component | int | str, block: int, data: object) -> None:
-        """Store the verified raw Data of one Object (``component`` ``"kv"``: K then V).
+    def write(
+        self,
+        layer: int,
+        component: Component | int | str,
+        block: int,
+        data: object,
+        codec: Codec | int = Codec.RAW,
+    ) -> None:
+        """Store the verified Data of one Object (``component`` ``"kv"``: K then V).
 
-        CPU: one copy into the storage. CUDA: one copy into the next slot of
-        the pinned ring, then a non-blocking host-to-device copy on the side
-        stream into the block's place (the slot is reused only after it).
+        ``raw`` Data is copied; ``q8`` Data is decoded (numpy adapter's
+        :func:`~kvcs.adapters.numpy_kv.q8_decode_section`, the reference's
+        bytes) straight into the same place. CPU: into the storage. CUDA: into
+        the next slot of the pinned ring, then a non-blocking host-to-device
+        copy on the side stream into the block's place (the slot is reused
+        only after that copy). Do not mix :meth:`write` and :meth:`buffer` for
+        one layer on CUDA: ``layer_ready`` copies the whole staged layer.
 
         Raises:
-            SectionError: ``data`` is not the size of the component's section(s).
+            UnknownCodecError: ``codec`` is not in the registry.
+            SectionError: ``data`` is not the size of the component's Data.
             ValueError: bad layer, block or component, or ``data`` not bytes-like.
         """
+        codec = codec_from_value(codec)
         self._layer(layer)
         if not 0 <= block < self.blocks:
             raise ValueError(f"block {block} is not in 0..{self.blocks - 1}")
@@ -786,25 +839,33 @@ class TorchKvDestination:
         is_kv = component == "kv" if isinstance(component, str) else component == Component.KV
         indices = (0, 1) if is_kv else (_component(component),)
         size = self.descriptor.section_size
-        if len(view) != size * len(indices):
+        each = size if codec is Codec.RAW else q8_size(self.descriptor.section_shape)
+        if len(view) != each * len(indices):
             raise SectionError(
-                f"Data of component {component!r} is {len(view)} octets, not {size * len(indices)}"
+                f"{codec.registry_name} Data of component {component!r} is {len(view)} "
+                f"octets, not {each * len(indices)}"
             )
         start = block * size
         for n, ci in enumerate(indices):
-            part = view[n * size : (n + 1) * size]
+            part = view[n * each : (n + 1) * each]
             if self._stream is None:
-                _bytes_of(self._storage[layer, ci])[start : start + size] = part
+                self._store(part, _bytes_of(self._storage[layer, ci])[start : start + size], codec)
                 continue
             if self._ring is None:
                 self._ring = _PinnedRing(size, self._ring_slots)
             slot, pinned = self._ring.acquire()
-            _bytes_of(pinned)[:] = part
+            self._store(part, _bytes_of(pinned), codec)
             with torch.cuda.stream(self._stream):
                 self._storage[layer, ci, start : start + size].copy_(pinned, non_blocking=True)
                 event = _new_event()
                 event.record(self._stream)
             self._ring.recorded(slot, event)
+
+    def _store(self, part: memoryview, target: memoryview, codec: Codec) -> None:
+        if codec is Codec.RAW:
+            target[:] = part
+        else:
+            q8_decode_section(part, self.descriptor, out=target)
 
     # -- layer readiness
 
@@ -913,7 +974,7 @@ class TorchKvDestination:
                     else (self.tokens, d.kv_heads, d.head_dim)
                 )
                 dst = torch.empty(shape, dtype=src.dtype, device=self.device)
-                target = dst
+                target = dst.view(_BITS[d.dtype])
             else:
                 dst = out[i]
                 bits, out_tokens = _check_layer(dst, d, layout, f"out[{i}]")
@@ -922,7 +983,7 @@ class TorchKvDestination:
                 _check_blocks(out_tokens, d, 0, self.blocks, f"out[{i}]")
                 target = bits
             view = _section_order(target, layout, 0, self.blocks, d.block_tokens)
-            view.copy_(src.view(view.dtype))
+            _copy(view, src.view(view.dtype))
             result.append(dst)
         return result[0], result[1]
 
@@ -953,7 +1014,7 @@ class TorchKvDestination:
             if hnd.device != self.device:
                 raise ValueError(f"{name} is on {hnd.device}, not {self.device}")
             _, (p, h, s) = _slot_index(slot_mapping, hnd, d, 0, self.blocks, name)
-            hnd[p, h, s] = src.view(hnd.dtype)
+            _scatter(hnd, (p, h, s), src.view(hnd.dtype))
 
 
 def _engine_view(paged: torch.Tensor, layout: str) -> torch.Tensor:

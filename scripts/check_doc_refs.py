@@ -37,6 +37,8 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+OPTIONAL = ("torch", "transformers")
+"""Optional extras: a module that imports one is skipped (with a note) where it is missing."""
 ROLE = re.compile(r"(?::py)?:(mod|func|data|const|class|meth|attr|exc|obj):`([^`]+)`")
 
 
@@ -49,7 +51,16 @@ def walk(roots: list[str]) -> Iterator[types.ModuleType]:
         if hasattr(top, "__path__"):
             for info in pkgutil.walk_packages(top.__path__, root + "."):
                 if not info.name.endswith(".__main__"):
-                    found.append(importlib.import_module(info.name))
+                    try:
+                        found.append(importlib.import_module(info.name))
+                    except ModuleNotFoundError as e:
+                        if e.name not in OPTIONAL:
+                            raise
+                        print(
+                            f"check_doc_refs: {info.name} not checked: {e.name} (an optional "
+                            f"extra) is not installed",
+                            file=sys.stderr,
+                        )
         for mod in found:
             if mod.__name__ not in seen:
                 seen.add(mod.__name__)
