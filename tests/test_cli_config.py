@@ -182,7 +182,8 @@ def test_every_option_of_every_command_can_be_set_both_ways(tmp_path: Path) -> N
     for command in commands:
         for key, option in cfg.command_options(parser, command).items():
             text, expected = _sample(option)
-            positional = [URL] if command in ("publish", "fetch", "ls") else []
+            with_url = ("publish", "fetch", "ls", "prefill", "generate")
+            positional = [URL] if command in with_url else []
             if command == "descriptor":
                 positional = ["cache.npz"]
             toml = f"[{command}]\n{key} = {_toml(option, text)}\n"

@@ -17,6 +17,12 @@ Subcommands
     verify it, report, optionally write it (``--out``).
 ``kvcs fetch URL --tokens-file TOKENS --descriptor DESC``
     The same from the prompt's token IDs and the compatibility descriptor alone.
+``kvcs prefill URL --model DIR --prompt TEXT``
+    Run a local Hugging Face model on a prompt and publish its KV cache layer by layer
+    while the prefill runs (:mod:`.model`; needs ``kvcs[transformers]``).
+``kvcs generate URL --model DIR --prompt TEXT --max-new-tokens N``
+    Retrieve the prompt's cache, generate while it arrives, print the text and the time
+    to first token against full recompute (:mod:`.model`).
 ``kvcs ls URL``
     The namespaces announced under a prefix (default ``kvcs-1``).
 ``kvcs descriptor CACHE``
@@ -49,7 +55,7 @@ from typing import Any
 from kvcs.adapters.cachefile import file_kind
 from kvcs_core.wire.codes import ALPN
 
-from . import commands, config, demo
+from . import commands, config, demo, model
 from .common import (
     CliError,
     Exit,
@@ -246,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_transport_options(f)
     add_ops_options(f)
 
+    model.add_prefill(sub, each)
+    model.add_generate(sub, each)
+
     ls = sub.add_parser("ls", help="list the namespaces announced under a prefix", **each)
     ls.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
     ls.add_argument(
@@ -321,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "publish": commands.publish,
                 "fetch": commands.fetch,
                 "ls": commands.ls,
+                "prefill": model.prefill,
+                "generate": model.generate,
                 "demo": demo.demo,
             }[args.command]
             return run(args, lambda b: job(b, args))
