@@ -39,6 +39,9 @@ from typing import Any
 
 OPTIONAL = ("torch", "transformers")
 """Optional extras: a module that imports one is skipped (with a note) where it is missing."""
+SKIPPED: set[str] = set()
+"""Modules left unchecked because their optional extra is missing: references into them
+cannot be checked here either (they are, where the extra is installed)."""
 ROLE = re.compile(r"(?::py)?:(mod|func|data|const|class|meth|attr|exc|obj):`([^`]+)`")
 
 
@@ -56,6 +59,7 @@ def walk(roots: list[str]) -> Iterator[types.ModuleType]:
                     except ModuleNotFoundError as e:
                         if e.name not in OPTIONAL:
                             raise
+                        SKIPPED.add(info.name)
                         print(
                             f"check_doc_refs: {info.name} not checked: {e.name} (an optional "
                             f"extra) is not installed",
@@ -138,6 +142,8 @@ def resolves(target: str, spaces: list[Any], mod: types.ModuleType) -> bool:
     target = target.strip().lstrip("~").removesuffix("()")
     if "<" in target and target.endswith(">"):  # "text <target>"
         target = target[target.index("<") + 1 : -1]
+    if any(target == s or target.startswith(s + ".") for s in SKIPPED):
+        return True  # into a module whose optional extra is missing (SKIPPED)
     if target.startswith("."):
         package = mod.__name__ if hasattr(mod, "__path__") else mod.__name__.rpartition(".")[0]
         rest = target[1:]

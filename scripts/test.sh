@@ -103,16 +103,21 @@ for py in "${PYTHONS[@]}"; do
     export PATH="$(dirname "$PY"):$PATH"
 
     if [ "$i" = 1 ]; then
-        # The torch adapter's tests (and the API reference of kvcs.adapters.torch_kv) run
-        # on the first interpreter, with a CPU build of torch: torch==2.13.0 is the one
-        # this project's machines keep on disk for Python 3.11 (plain `torch` from PyPI is
-        # a CUDA build of several GB). KVCS_TORCH_REQ chooses another requirement; "none"
-        # skips torch (its tests then skip, loudly, as on the second interpreter).
+        # The torch and transformers adapters' tests (and their API reference) run on the
+        # first interpreter, with a CPU build of torch: torch==2.13.0 is the one this
+        # project's machines keep on disk for Python 3.11 (plain `torch` from PyPI is a
+        # CUDA build of several GB), then the `transformers` extra. KVCS_TORCH_REQ chooses
+        # another torch requirement; "none" skips both (their tests then skip, as on the
+        # second interpreter).
         TORCH_REQ="${KVCS_TORCH_REQ:-torch==2.13.0}"
         if [ "$TORCH_REQ" != none ]; then
-            section "[$py] $TORCH_REQ (the torch adapter's tests)"
-            "$PY" -m pip install -q "$TORCH_REQ" \
-                || echo "!! $TORCH_REQ could not be installed: the torch tests will skip"
+            section "[$py] $TORCH_REQ and .[transformers] (the torch and transformers adapters)"
+            if "$PY" -m pip install -q "$TORCH_REQ" >&2; then
+                "$PY" -m pip install -q -e '.[transformers]' "$TORCH_REQ" >&2 \
+                    || echo "!! .[transformers] could not be installed: its tests will skip"
+            else
+                echo "!! $TORCH_REQ could not be installed: the torch tests will skip"
+            fi
         fi
         FIRST_PY="$PY"
         section "ruff check"
