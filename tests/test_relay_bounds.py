@@ -18,7 +18,8 @@ from relay_net import RelayNet, payload, track
 from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.relay import Relay, RelayConfig
 from kvcs_core.relay.cache import GROUP_OVERHEAD, Cache, GroupSet
-from kvcs_core.wire.codes import ObjectStatus
+from kvcs_core.relay.core import next_after
+from kvcs_core.wire.codes import MAX_VI64, ObjectStatus
 from kvcs_core.wire.kvp import KeyValuePair
 from kvcs_core.wire.names import Location
 
@@ -319,3 +320,15 @@ def test_a_stalled_late_joiner_holds_back_no_other() -> None:
     got = late.normal(r2)
     assert all(got[loc] == payload(loc.group, 0, size) for loc in got)
     assert len(stalled.normal(rs)) < groups  # it really stopped reading
+
+
+def test_nothing_follows_the_last_location() -> None:
+    """A peer may publish at {2^64-1, 2^64-1}; the location after it does not exist
+    (its Group ID + 1 is no vi64). The relay asked for it when it subscribed upstream
+    again with a fill from "right after what it caches" and raised EncodeError out of
+    ``handle_session_event`` (found by the fuzz campaign; its input is in the relay
+    corpus as ``regress-last-location-refill.bin``, which ``test_fuzz_smoke`` runs)."""
+    assert next_after(Location(3, 4)) == Location(3, 5)
+    assert next_after(Location(3, MAX_VI64)) == Location(4, 0)
+    assert next_after(Location(MAX_VI64, MAX_VI64 - 1)) == Location(MAX_VI64, MAX_VI64)
+    assert next_after(Location(MAX_VI64, MAX_VI64)) is None

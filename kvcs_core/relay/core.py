@@ -98,11 +98,15 @@ _RECLAIM_SCAN = 64
 """Tracks :meth:`RelayCore._reclaim` looks at, at most, per new track at ``max_tracks``."""
 
 
-def next_after(loc: Location) -> Location:
-    """The Location right after ``loc`` in the same group (or the next group's first)."""
+def next_after(loc: Location) -> Location | None:
+    """The Location right after ``loc`` in the same group (or the next group's first);
+    ``None`` after the last one there can be, {2^64-1, 2^64-1}: a peer may publish there,
+    and nothing can follow it (its Group ID + 1 is no vi64)."""
     if loc.object < MAX_VI64:
         return Location(loc.group, loc.object + 1)
-    return Location(loc.group + 1, 0)
+    if loc.group < MAX_VI64:
+        return Location(loc.group + 1, 0)
+    return None
 
 
 def as_request_error(code: int) -> RequestErrorCode:

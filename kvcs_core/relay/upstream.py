@@ -138,16 +138,20 @@ class Upstream(RelayCore):
     def _subscribe_upstream(self, track: Track, exclude: Peer | None) -> int:
         """SUBSCRIBE on every route not already feeding ``track``; how many were sent."""
         have = {id(f.peer) for f in track.feeds if f.active}
-        fill_from = Location(0, 0)
+        fill_from: Location | None = Location(0, 0)
         entry = track.entry
         if entry is not None and track.whole and entry.store.largest is not None:
-            fill_from = next_after(entry.store.largest)
+            fill_from = next_after(entry.store.largest)  # None: nothing can follow it
         forward = self._want_forward(track)
         extra: list[p.Parameter] = []
         ngr = [v.value for s in track.pending if (v := s.params.get(p.NewGroupRequest)) is not None]
         if ngr:  # wire reference 5.8: copied into the upstream SUBSCRIBE
             extra.append(p.NewGroupRequest(0 if 0 in ngr else max(ngr)))
-        fill = p.Parameters.of(p.LocationFilter.absolute_start(fill_from.group, fill_from.object))
+        fill = (
+            None
+            if fill_from is None
+            else p.Parameters.of(p.LocationFilter.absolute_start(fill_from.group, fill_from.object))
+        )
         sent = 0
         for peer in self._routes(track.name.namespace, exclude):
             if id(peer) in have:
@@ -156,7 +160,7 @@ class Upstream(RelayCore):
                 track.name,
                 now=self._now,
                 location_filter=p.LocationFilter.next_object(),
-                fill=fill if forward else None,
+                fill=fill if forward and fill is not None else None,
                 forward=forward,
                 priority=self.config.upstream_priority,
                 extra=extra,
@@ -167,8 +171,8 @@ class Upstream(RelayCore):
                 track,
                 FeedKind.SUBSCRIBE,
                 forward=forward,
-                fill_id=rid if forward else None,
-                fill_from=fill_from if forward else None,
+                fill_id=rid if forward and fill is not None else None,
+                fill_from=fill_from if forward and fill is not None else None,
             )
             track.forced = False
             track.ended = False  # the new feed says how the track ends now
@@ -443,7 +447,7 @@ class Upstream(RelayCore):
             self._feed_whole(feed)
         else:
             start = next_after(cached) if was_whole and cached is not None else Location(0, 0)
-            if start <= largest.location:
+            if start is not None and start <= largest.location:
                 self._refill(feed, start, largest.location)
             else:
                 self._feed_whole(feed)
@@ -662,7 +666,8 @@ class Upstream(RelayCore):
         # objects of the FETCH may have overtaken its FETCH_OK (they travel on another
         # stream): those cached must be exactly what it delivered so far, in order
         after = feed.delivered_to
-        rest = entry.store.objects_in(rng.start if after is None else next_after(after), rng.end)
+        start = rng.start if after is None else next_after(after)
+        rest = () if start is None else entry.store.objects_in(start, rng.end)
         if next(iter(rest), None) is not None:
             return
         feed.streaming = True
@@ -753,7 +758,10 @@ class Upstream(RelayCore):
         largest = store.largest
         if largest is None or largest < end:
             return  # its last object is not in the cache
-        if any(o.status is ObjectStatus.NORMAL for o in store.objects_in(next_after(end))):
+        beyond = next_after(end)
+        if beyond is not None and any(
+            o.status is ObjectStatus.NORMAL for o in store.objects_in(beyond)
+        ):
             return  # objects beyond its End of Track came from elsewhere: not whole either way
         track.contiguous = True
         track.ended = True
