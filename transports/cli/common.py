@@ -218,6 +218,12 @@ def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
     g.add_argument("--block-tokens", type=int, default=16)
     g.add_argument("--tokens", type=int, default=256, help="prompt length of the synthetic cache")
     g.add_argument("--seed", type=int, default=1, help="seed of the synthetic cache")
+    add_key_options(p, producer=role == "publish")
+
+
+def add_key_options(p: argparse.ArgumentParser, *, producer: bool) -> None:
+    """The "keys" options: the scope key (``--scope-key`` / ``--scope-key-file``), and
+    ``--sign-key`` for a producer or ``--producer-key`` for a consumer, with ``--kid``."""
     k = p.add_argument_group("keys")
     scope = k.add_mutually_exclusive_group()  # (one claims both in --config / KVCS_*)
     scope.add_argument(
@@ -231,7 +237,7 @@ def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
         metavar="FILE",
         help="file holding the 32-octet scope key (raw or hex)",
     )
-    if role == "publish":
+    if producer:
         k.add_argument(
             "--sign-key",
             type=Path,

@@ -52,6 +52,7 @@ from .common import (
     CliError,
     Exit,
     add_client_tls_options,
+    add_key_options,
     add_ops_options,
     add_transport_options,
     format_namespace,
@@ -125,34 +126,7 @@ def _model_options(p: argparse.ArgumentParser, *, role: str) -> None:
             else "(default 32)"
         ),
     )
-    k = p.add_argument_group("keys")
-    scope = k.add_mutually_exclusive_group()
-    scope.add_argument(
-        "--scope-key",
-        metavar="HEX",
-        help="32-octet scope key in hex (default: all zeros, for demos only)",
-    )
-    scope.add_argument(
-        "--scope-key-file",
-        type=Path,
-        metavar="FILE",
-        help="file holding the 32-octet scope key (raw or hex)",
-    )
-    if role == "prefill":
-        k.add_argument(
-            "--sign-key",
-            type=Path,
-            metavar="PEM",
-            help="producer private key (Ed25519 or P-256): publish manifest.cose",
-        )
-    else:
-        k.add_argument(
-            "--producer-key",
-            type=Path,
-            metavar="PEM",
-            help="trusted producer public key: require a signed manifest",
-        )
-    k.add_argument("--kid", metavar="ID", help="key ID of the producer key (default 'producer')")
+    add_key_options(p, producer=role == "prefill")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_client_tls_options(p)
     add_transport_options(p)
