@@ -335,25 +335,35 @@ def load_signer(args: argparse.Namespace) -> ManifestSigner | None:
         raise CliError(f"{args.sign_key}: not a usable private key ({exc})", Exit.FILE) from None
 
 
+def publication_id(args: argparse.Namespace) -> bytes | None:
+    """``--publication-id HEX`` (``None``: the publisher draws one)."""
+    if not args.publication_id:
+        return None
+    try:
+        return bytes.fromhex(args.publication_id)
+    except ValueError:
+        raise CliError("--publication-id: not hex", Exit.USAGE) from None
+
+
+def tokens_to_publish(tokens: int, block_tokens: int, command: str) -> int:
+    """The tokens a publisher publishes: its full blocks (a one-line error with none)."""
+    if tokens < block_tokens:
+        raise CliError(
+            f"the prompt has {tokens} tokens, fewer than one block of "
+            f"{block_tokens}: nothing to publish",
+            Exit.USAGE,
+        )
+    return full_blocks(tokens, block_tokens, command)
+
+
 async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     cache = cache_source(args)
     key = scope_key(args)
     signer = load_signer(args)
-    pub_id = None
-    if args.publication_id:
-        try:
-            pub_id = bytes.fromhex(args.publication_id)
-        except ValueError:
-            raise CliError("--publication-id: not hex", Exit.USAGE) from None
+    pub_id = publication_id(args)
     cd = cache.cd
-    if len(cache.tokens) < cd.block_tokens:
-        raise CliError(
-            f"the prompt has {len(cache.tokens)} tokens, fewer than one block of "
-            f"{cd.block_tokens}: nothing to publish",
-            Exit.USAGE,
-        )
-    published = full_blocks(len(cache.tokens), cd.block_tokens, "publish")
+    published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
     async with _connect(b, args) as client:
         try:
             pub = await client.publish_cache(

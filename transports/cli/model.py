@@ -56,7 +56,6 @@ from .common import (
     add_ops_options,
     add_transport_options,
     format_namespace,
-    full_blocks,
     load_tokens,
     scope_key,
 )
@@ -383,20 +382,9 @@ async def prefill(b: ModuleType, args: argparse.Namespace) -> int:
     loaded = Loaded(args)
     key = scope_key(args)
     signer = commands.load_signer(args)
-    pub_id = None
-    if args.publication_id:
-        try:
-            pub_id = bytes.fromhex(args.publication_id)
-        except ValueError:
-            raise CliError("--publication-id: not hex", Exit.USAGE) from None
+    pub_id = commands.publication_id(args)
     cd = loaded.cd
-    if len(loaded.tokens) < cd.block_tokens:
-        raise CliError(
-            f"the prompt has {len(loaded.tokens)} tokens, fewer than one block of "
-            f"{cd.block_tokens}: nothing to publish",
-            Exit.USAGE,
-        )
-    published = full_blocks(len(loaded.tokens), cd.block_tokens, "prefill")
+    published = commands.tokens_to_publish(len(loaded.tokens), cd.block_tokens, "prefill")
     tk, torch = loaded.tk, loaded.torch
     async with commands._connect(b, args) as client:
         try:
