@@ -33,9 +33,7 @@ path at >= 1x costs no more than its verification).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,19 +46,8 @@ from kvcs.adapters import numpy_kv as nk
 from kvcs.adapters import torch_kv as tk
 from kvcs_core.kvsp import CompatibilityDescriptor
 
-
-def best_of(repeat: int, fn: Callable[[], object]) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def sha256_all(parts: list[memoryview]) -> None:
-    for part in parts:
-        hashlib.sha256(part).digest()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_numpy_adapter import best_of, sha256_all  # the same timing and reference
 
 
 def main() -> None:
