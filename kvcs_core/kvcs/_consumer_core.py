@@ -63,6 +63,7 @@ from kvcs_core.wire.names import Location
 
 if TYPE_CHECKING:
     from kvcs_core.kvcs.cose import VerificationKey
+    from kvcs_core.kvcs.index import IndexNamespace
     from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
     from kvcs_core.moqt.session import MoqtSession
 
@@ -236,7 +237,28 @@ class DataRequest:
         return self.live and self.accepted and self.largest is not None and not self.fill_done
 
 
-AnyRequest = NamespaceRequest | ManifestRequest | DataRequest
+@attrs.define(eq=False)
+class IndexLookupRequest:
+    """Our SUBSCRIBE_NAMESPACE of one KVSP index lookup (binding 9, ``_index_search``)."""
+
+    session: int
+    request_id: int
+    length: int
+    """The prefix length looked up: the prefix ends with our ``K_(length-1)``."""
+
+
+@attrs.define(eq=False)
+class RecordRequest:
+    """Our SUBSCRIBE to one ``replica`` / ``replica.cose`` track (binding 9)."""
+
+    session: int
+    request_id: int
+    length: int
+    index_ns: IndexNamespace
+    signed: bool
+
+
+AnyRequest = NamespaceRequest | ManifestRequest | DataRequest | IndexLookupRequest | RecordRequest
 
 
 class ObjectTable:

@@ -277,8 +277,61 @@ class RetrievalComplete:
     """True when every needed Object was verified (no RecomputeNeeded was emitted)."""
 
 
+class IndexRejectReason(enum.IntEnum):
+    """Why an index record was not used."""
+
+    TOO_LARGE = 1
+    MALFORMED = 2
+    """Not the JSON object of binding 9 (syntax, members, types, lengths)."""
+    UNSIGNED = 3
+    """A plain ``replica`` where authenticity is required."""
+    BAD_SIGNATURE = 4
+    """``replica.cose`` that no trusted producer key verifies."""
+    WRONG_BLOCK = 5
+    """``block_index`` or ``block_key`` is not the consumer's own for this lookup."""
+    WRONG_NAMESPACE = 6
+    """The index namespace and the record disagree, or the named publication is of
+    another scope or descriptor, or holds fewer blocks than the record claims."""
+
+
+@attrs.frozen(kw_only=True)
+class IndexLookupDone:
+    """One KVSP index lookup (binding 9): SUBSCRIBE_NAMESPACE on our ``K_(length-1)``."""
+
+    length: int
+    """The prefix length (blocks) looked up."""
+    shared: bool
+    """A usable replica record was found: some publication shares ``length`` blocks."""
+    lookup: int
+    """1 for the first lookup of the search, 2 for the next, ..."""
+
+
+@attrs.frozen(kw_only=True)
+class IndexRecordDiscarded:
+    """A replica record that was not used, and why (binding 9)."""
+
+    length: int
+    publication_id: bytes
+    reason: IndexRejectReason
+    detail: str
+
+
+@attrs.frozen(kw_only=True)
+class IndexSearchDone:
+    """The KVSP index search is over (binding 9)."""
+
+    lookups: int
+    shared_blocks: int
+    """The longest prefix (blocks) a usable record was found for (0: none)."""
+    publications: tuple[bytes, ...]
+    """The publications the records of that prefix name (the candidates, in order)."""
+
+
 ConsumerEvent: TypeAlias = (
-    PublicationSelected
+    IndexLookupDone
+    | IndexRecordDiscarded
+    | IndexSearchDone
+    | PublicationSelected
     | PublicationRejected
     | ManifestAccepted
     | ManifestDiscarded

@@ -13,8 +13,9 @@ shorter prefixes to try; the default list is ``m``, then the largest power of
 two below ``m``, then halving, at most ``max_discovery_prefixes`` entries (so
 discovery ends within that many timeouts); the application may pass its own
 list (for instance the length of a known system prompt). A longer publication,
-whose Anchor Key the consumer cannot compute, is added by the application from
-a KVSP index lookup (``add_publication``).
+whose Anchor Key the consumer cannot compute, is found through the KVSP index
+(``_index_search``, binding 9: after the whole prompt, before the shorter
+prefixes) or added by the application (``add_publication``).
 
 *Selection.* The publication with the longest prefix is chosen, earliest
 announced first (:class:`PublicationSelected`). Others are kept, up to
@@ -84,6 +85,7 @@ class DiscoveryMixin(ConsumerCore):
     # --- discovery ---------------------------------------------------------------------
 
     def _on_session_ready(self, slot: SessionSlot, now: float) -> None:
+        self._index_session_ready(slot, now)
         if self._phase is Phase.DISCOVERING:
             if self._disc_pos < 0:
                 self._advance_discovery(now)
@@ -96,6 +98,8 @@ class DiscoveryMixin(ConsumerCore):
             self._reconcile(now)
 
     def _advance_discovery(self, now: float) -> None:
+        if self._index_takes_over(now):
+            return
         self._disc_pos += 1
         if self._disc_pos >= len(self.prefixes):
             self._disc_deadline = None
@@ -117,6 +121,15 @@ class DiscoveryMixin(ConsumerCore):
             return  # e.g. the peer sent GOAWAY meanwhile: this session is not asked
         slot.namespaces[prefix_blocks] = rid
         self._reqs[(slot.index, rid)] = NamespaceRequest(slot.index, rid, prefix_blocks)
+
+    # --- hooks of the index search (``_index_search``) -------------------------------------
+
+    def _index_takes_over(self, now: float) -> bool:
+        """True when the index search runs instead of the next direct prefix."""
+        return False
+
+    def _index_session_ready(self, slot: SessionSlot, now: float) -> None:
+        """A session became usable (the index search may ask it too)."""
 
     def _discovery_timer(self, now: float) -> None:
         if self._disc_deadline is None or self._disc_deadline > now:

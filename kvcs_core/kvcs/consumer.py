@@ -22,8 +22,10 @@ profile section (each step is described in the module that implements it):
 
 1. **Identity** (binding 1-3): the Compatibility ID of the descriptor, the
    Scope ID of the scope key, and the Block Keys of the prompt's full blocks.
-2. **Discovery** (5.1, ``_discovery``): SUBSCRIBE_NAMESPACE for the longest
-   prefix, then shorter ones; the longest announced publication is chosen.
+2. **Discovery** (5.1, ``_discovery``, ``_index_search``): SUBSCRIBE_NAMESPACE for
+   the whole prompt, then a binary search of the KVSP index (binding 9) for the
+   longest prefix shared with any publication, then shorter direct prefixes; the
+   longest publication found is chosen.
 3. **Manifest** (5.2, 3.6, ``_discovery`` and ``_verify``): ``manifest.cose``
    first, ``manifest`` only if that does not exist and authenticity is not
    required; signature, Compatibility ID, Block Keys and tracks are checked.
@@ -51,11 +53,13 @@ from typing import Any
 from kvcs_core.kvcs._consumer_core import (
     AnyRequest,
     DataRequest,
+    IndexLookupRequest,
     ManifestRequest,
     NamespaceRequest,
     ObjState,
     Phase,
     PubState,
+    RecordRequest,
     SessionSlot,
 )
 from kvcs_core.kvcs._consumer_events import (
@@ -63,6 +67,10 @@ from kvcs_core.kvcs._consumer_events import (
     ConsumerEvent,
     Destinations,
     DiscardReason,
+    IndexLookupDone,
+    IndexRecordDiscarded,
+    IndexRejectReason,
+    IndexSearchDone,
     LayerReady,
     ManifestAccepted,
     ManifestDiscarded,
@@ -77,7 +85,8 @@ from kvcs_core.kvcs._consumer_events import (
     TrackSelection,
     WritableBuffer,
 )
-from kvcs_core.kvcs._discovery import DiscoveryMixin, default_prefixes
+from kvcs_core.kvcs._discovery import default_prefixes
+from kvcs_core.kvcs._index_search import IndexOptions, IndexSearchMixin
 from kvcs_core.kvcs._recovery import RecoveryMixin
 from kvcs_core.kvcs._retrieval import RetrievalMixin
 from kvcs_core.kvcs.cose import VerificationKey
@@ -100,6 +109,11 @@ __all__ = [
     "ConsumerEvent",
     "Destinations",
     "DiscardReason",
+    "IndexLookupDone",
+    "IndexOptions",
+    "IndexRecordDiscarded",
+    "IndexRejectReason",
+    "IndexSearchDone",
     "KvcsConsumer",
     "LayerReady",
     "ManifestAccepted",
@@ -118,7 +132,7 @@ __all__ = [
 ]
 
 
-class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
+class KvcsConsumer(IndexSearchMixin, RetrievalMixin, RecoveryMixin):
     """Finds, retrieves and verifies one prompt's KV cache over MOQT sessions.
 
     Args:
@@ -143,6 +157,9 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
         layers: the layers needed (default: all ``layers`` of the descriptor).
         prefix_lengths: prefix lengths (blocks) to discover, longest first
             (default: :func:`default_prefixes`).
+        index: how to use the KVSP index (binding 9) when the whole prompt is not
+            found directly: :class:`IndexOptions` (default: stride 1, 0.3 s per
+            lookup); None: never (direct discovery only).
         config: bounds and policies.
 
     Raises:
@@ -167,6 +184,7 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
         layers: range | None = None,
         prefix_lengths: Sequence[int] | None = None,
         config: ConsumerConfig | None = None,
+        index: IndexOptions | None = IndexOptions(),  # noqa: B008 - frozen
     ) -> None:
         config = config or ConsumerConfig()
         selection = tracks or TrackSelection()
@@ -208,6 +226,7 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
             data_length=data_length,
         )
         self._check_destinations()
+        self._init_index(index)
 
     # --- getters -------------------------------------------------------------------------
 
@@ -359,7 +378,9 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
     def _on_request_event(
         self, slot: SessionSlot, req: AnyRequest, event: ev.SessionEvent, now: float
     ) -> None:
-        if isinstance(req, NamespaceRequest):
+        if isinstance(req, IndexLookupRequest | RecordRequest):
+            self._on_index_event(slot, req, event, now)
+        elif isinstance(req, NamespaceRequest):
             self._on_namespace_event(slot, req, event, now)
         elif isinstance(req, ManifestRequest):
             self._on_manifest_event(slot, req, event, now)
@@ -373,6 +394,7 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
             return
         self._manifest_timers(now)
         if self._phase is Phase.DISCOVERING:
+            self._index_timer(now)
             self._discovery_timer(now)
         stall = self._stall_deadline()
         if stall is not None and stall <= now:
@@ -390,6 +412,9 @@ class KvcsConsumer(DiscoveryMixin, RetrievalMixin, RecoveryMixin):
         times = self._manifest_deadlines()
         if self._phase is Phase.DISCOVERING and self._disc_deadline is not None:
             times.append(self._disc_deadline)
+        index_deadline = self._index_deadline()
+        if self._phase is Phase.DISCOVERING and index_deadline is not None:
+            times.append(index_deadline)
         stall = self._stall_deadline()
         if stall is not None:
             times.append(stall)

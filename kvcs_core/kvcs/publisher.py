@@ -76,6 +76,16 @@ queued objects are sent; a subscription that arrives after the end is accepted
 ends the manifest track likewise once every segment is complete. Authorization
 is the caller's: filter events before handing them over.
 
+*Index* (binding 9, ``_index_serving``). With ``index_stride`` ``s`` (default 1; 0
+turns it off) the publisher also announces the index namespaces and replica
+records of every ``s``-th prefix length and of its last block, signed like the
+manifest (``replica.cose``) when it has a signer; :meth:`KvcsPublisher.attach`
+announces them with the publication, :meth:`KvcsPublisher.handle_session_event`
+serves them, and :meth:`KvcsPublisher.withdraw` (or the end of the session)
+withdraws them with it. Blocks added by :meth:`KvcsPublisher.append_tokens` are
+not indexed: the records name the namespace, whose Anchor Key covers the blocks
+given at construction.
+
 Memory and ownership: the publisher holds every data Object of the
 publication for its whole life, which is what lets relays and late consumers
 be served from it at any time (about ``layers * blocks * section_size`` per
@@ -90,12 +100,14 @@ publisher.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 
+from kvcs_core.kvcs._index_serving import IndexAnnouncer
 from kvcs_core.kvcs._production import (
     MAX_MANIFEST_INTERVAL,
     RAW_KV,
@@ -125,6 +137,7 @@ from kvcs_core.kvsp import (
     scope_id,
 )
 from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import TrackStore
@@ -218,6 +231,9 @@ class KvcsPublisher:
         list_digests: list ``object_digests`` in the manifest (profile 3.6
             SHOULD). Turn off only for caches so large that the manifest would
             pass a consumer's size limit (67 octets per Object and track).
+        index_stride: announce KVSP index records (binding 9) for every
+            ``index_stride``-th prefix length and the last block; 0: no index.
+        index_holder: optional ``"holder"`` member of the records (an MOQT URI).
 
     Raises:
         KvspError: bad descriptor, scope key or token (a ``ValueError``).
@@ -236,6 +252,8 @@ class KvcsPublisher:
         deterministic: bool = False,
         manifest_interval: int = MAX_MANIFEST_INTERVAL,
         list_digests: bool = True,
+        index_stride: int = 1,
+        index_holder: str | None = None,
     ) -> None:
         cd = (
             compat
@@ -289,6 +307,15 @@ class KvcsPublisher:
         self._attachments: dict[MoqtSession, _Attachment] = {}
         self._add_segment(len(keys))
         self._publish_manifest()
+        if type(index_stride) is not int or index_stride < 0:
+            raise PublisherError("index_stride must be an integer >= 0 (0: no index)")
+        self._index: Final = (
+            IndexAnnouncer(
+                self._kvcs_namespace, keys, stride=index_stride, signer=signer, holder=index_holder
+            )
+            if index_stride
+            else None
+        )
 
     # ------------------------------------------------------------------ getters
 
@@ -375,6 +402,11 @@ class KvcsPublisher:
     def total_bytes(self) -> int:
         """Object payload octets held (headers included)."""
         return sum(s.total_bytes for s in self._stores.values())
+
+    @property
+    def index(self) -> IndexAnnouncer | None:
+        """The KVSP index this publication announces (None: ``index_stride=0``)."""
+        return self._index
 
     @property
     def sessions(self) -> tuple[MoqtSession, ...]:
@@ -542,7 +574,20 @@ class KvcsPublisher:
                 and rec.namespace.is_prefix_of(self._namespace)
             ):
                 self._announce(att, rec.request_id, rec.namespace, now)
+        if self._index is not None:
+            self._index.attach(session, now=now)
         return rid
+
+    def withdraw(self, *, now: float) -> None:
+        """Withdraw the publication's namespace and its index namespaces on every session
+        (cancel the PUBLISH_NAMESPACEs); the stores stay (a later :meth:`attach` works)."""
+        if self._index is not None:
+            self._index.withdraw(now=now)
+        for session, att in list(self._attachments.items()):
+            if not session.is_closed:
+                with contextlib.suppress(LocalProtocolError):  # already finished
+                    session.cancel(att.publish_namespace_id, now=now)
+            del self._attachments[session]
 
     def handle_session_event(
         self, session: MoqtSession, event: ev.SessionEvent, now: float
@@ -557,6 +602,10 @@ class KvcsPublisher:
         ``SessionClosed`` detaches the session and returns ``False`` (it
         concerns everyone). Never raises because of what the peer sent.
         """
+        if self._index is not None and self._index.handle_session_event(session, event, now):
+            if isinstance(event, ev.SubscribeNamespaceRequested):
+                self._announce_if_covered(session, event, now)
+            return True
         att = self._attachments.get(session)
         if att is None:
             return False
@@ -688,6 +737,13 @@ class KvcsPublisher:
             return
         session.send_namespace(request_id, suffix, now=now)
         att.namespace_requests.add(request_id)
+
+    def _announce_if_covered(
+        self, session: MoqtSession, event: ev.SubscribeNamespaceRequested, now: float
+    ) -> None:
+        att = self._attachments.get(session)
+        if att is not None and event.prefix.is_prefix_of(self._namespace):
+            self._announce(att, event.request_id, event.prefix, now)
 
     def _end_subscriptions(self, tracks: set[bytes], now: float) -> None:
         """PUBLISH_DONE (TRACK_ENDED) for every live subscription to ``tracks``."""

@@ -36,6 +36,7 @@ from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
     ConsumerEvent,
     Destinations,
+    IndexOptions,
     KvcsConsumer,
     LayerReady,
     RecomputeNeeded,
@@ -189,6 +190,7 @@ class MoqtClient:
         offer: Sequence[TrackOffer] = RAW_KV,
         deterministic: bool = False,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        index_stride: int = 1,
     ) -> CachePublication:
         """Create a publication and announce it on this session (PUBLISH_NAMESPACE); with
         a link (``connect(..., reconnect=...)``), again on every new session.
@@ -207,6 +209,9 @@ class MoqtClient:
                 consumers may mix it with other publications (default false).
             max_queued: object bytes the session may hold queued for subscribers
                 before :meth:`CachePublication.put_layer` waits (default 32 MiB).
+            index_stride: announce KVSP index records (binding 9) for every
+                ``index_stride``-th prefix length and the last block (default 1:
+                every block; 0: no index), signed like the manifest.
 
         Returns:
             The :class:`CachePublication`; publish each layer with ``put_layer``.
@@ -225,6 +230,7 @@ class MoqtClient:
             offer=offer,
             signer=signer,
             deterministic=deterministic,
+            index_stride=index_stride,
         )
         self.publications.append(pub)
         if self.connected:
@@ -248,6 +254,7 @@ class MoqtClient:
         layers: range | None = None,
         prefix_lengths: Sequence[int] | None = None,
         config: ConsumerConfig | None = None,
+        index: IndexOptions | None = IndexOptions(),  # noqa: B008 - frozen
     ) -> CacheRetrieval:
         """Start retrieving the KV cache of ``tokens`` on this session (and the ``also``
         sessions): discovery, live or completed retrieval, verification, recovery.
@@ -283,6 +290,11 @@ class MoqtClient:
             config: the consumer's bounds and policies
                 (:class:`~kvcs_core.kvcs.consumer.ConsumerConfig`; default: its
                 defaults).
+            index: the KVSP index search (binding 9) used when the whole prompt is
+                not published: :class:`~kvcs_core.kvcs.consumer.IndexOptions`
+                (default: stride 1, 0.3 s per lookup); ``None``: direct discovery
+                only. ``retrieval.consumer.index_lookups`` and
+                ``index_shared_blocks`` report what it did.
 
         Returns:
             The running :class:`CacheRetrieval`.
@@ -308,6 +320,7 @@ class MoqtClient:
             layers=layers,
             prefix_lengths=prefix_lengths,
             config=config or ConsumerConfig(),
+            index=index,
         )
         clients = (self, *also)
         handle = ConsumerHandle(consumer, tuple(c.session for c in clients))
