@@ -65,7 +65,8 @@ def test_index_namespace_and_prefix() -> None:
     assert r.index_namespace().to_track_namespace().fields == (
         b"kvcs-idx-1", SCOPE, COMPAT, KEYS[4], PUB,
     )
-    assert index_prefix(SCOPE, COMPAT, KEYS[4]).is_prefix_of(r.index_namespace().to_track_namespace())
+    full = r.index_namespace().to_track_namespace()
+    assert index_prefix(SCOPE, COMPAT, KEYS[4]).is_prefix_of(full)
     assert IndexNamespace.try_parse(r.index_namespace().to_track_namespace()) == ins(4)
     assert IndexNamespace.try_parse(NS.to_track_namespace()) is None
     with pytest.raises(ValueError):
