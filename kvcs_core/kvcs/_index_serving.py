@@ -10,12 +10,10 @@ Compatibility ID, K_i, P)`` and a one-object track in it: ``replica`` (the recor
 JSON) or, when the publisher signs its manifest, ``replica.cose`` (the same
 :class:`~kvcs_core.kvcs.publisher.ManifestSigner`, the same COSE_Sign1 rules).
 The record is Object 0 of Group 0 (the only Group), so that a subscriber's fill
-(Relative Start 1: the largest Group) and a FETCH both deliver it. No End of
-Track follows and a subscription is not ended by the publisher: the subscriber
-cancels it once it has the record. (Ending it at once with PUBLISH_DONE, as a
-finished data track is, raced the fill's data stream on the relay: the relay
-stopped a stream that QUIC had already completed, and qh3 closed that
-connection.)
+(Relative Start 1: the largest Group) and a FETCH both deliver it. A record never
+changes, so no End of Track follows and the publisher does not end a
+subscription: the subscriber cancels it once it has the record (a relay may keep
+its own upstream subscription and serve later lookups from its cache).
 
 Serving follows the publisher's own rules: :meth:`IndexAnnouncer.attach` sends
 one PUBLISH_NAMESPACE per index namespace (each is a request of its own, so the

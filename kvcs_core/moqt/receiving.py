@@ -159,6 +159,10 @@ class DataReceiver:
         self._done_events[rec.request_id] = done
         self._check_drained(rec)
 
+    def draining(self, request_id: int) -> bool:
+        """PUBLISH_DONE came for this subscription and its data streams may still arrive."""
+        return request_id in self._draining
+
     def _check_drained(self, rec: RequestRecord) -> None:
         expected, _ = self._draining[rec.request_id]
         if expected is None or self._seen.get(rec.request_id, 0) < expected:

@@ -746,13 +746,17 @@ class MoqtSession(PeerRequests, OwnRequests):
     def _sweep(self) -> None:
         """Forget finished requests (amortised: runs when the table doubles), so that a
         long session does not keep every request it ever saw. A request is forgotten once
-        it is finished, our half of its stream is closed and no data stream is bound to
-        it; a still-open peer half is remembered only as a dead stream."""
+        it is finished, our half of its stream is closed, no data stream is bound to it
+        and it is not draining (PUBLISH_DONE received, streams still due: forgetting it
+        then dropped a fill whose stream arrived after the sweep); a still-open peer
+        half is remembered only as a dead stream."""
         busy = {id(st.request) for st in self.receiver.streams.values() if st.request}
         gone: set[int] = set()
         for rid, rec in list(self.requests.items()):
             if not (rec.finished and rec.local_fin) or id(rec) in busy or rec.deferred_updates:
                 continue
+            if self.receiver.draining(rid):
+                continue  # PUBLISH_DONE overtook its data streams: they may still come
             del self.requests[rid]
             gone.add(rid)
             if self._by_stream.get(rec.stream) is rec:
