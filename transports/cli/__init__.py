@@ -55,7 +55,7 @@ from typing import Any
 from kvcs.adapters.cachefile import file_kind
 from kvcs_core.wire.codes import ALPN
 
-from . import commands, config, demo, model
+from . import commands, config, demo, index_options, model
 from .common import (
     CliError,
     Exit,
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="after publishing, serve S more seconds then exit (default: until interrupted)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    index_options.add_publish_index_options(p)
     add_client_tls_options(p)
     add_transport_options(p)
     add_ops_options(p)
@@ -248,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: add the SHA-256 of the received K/V sections ('digest')",
     )
     f.add_argument("--json", action="store_true", help="machine-readable output")
+    index_options.add_fetch_index_options(f)
     add_client_tls_options(f)
     add_transport_options(f)
     add_ops_options(f)

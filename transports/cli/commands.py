@@ -61,6 +61,7 @@ from kvcs_core.moqt import events as ev
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.wire.names import TrackNamespace
 
+from . import index_options
 from .common import (
     DEFAULT_KID,
     CliError,
@@ -373,6 +374,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 publication_id=pub_id,
                 signer=signer,
                 deterministic=args.deterministic,
+                index_stride=index_options.publish_index_stride(args),
             )
         except PublisherError as exc:
             raise CliError(f"cannot publish: {exc}", Exit.USAGE) from None
@@ -572,6 +574,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             require_authenticity=keys is not None,
             recovery_time_bound=args.recovery_time,
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
+            index=index_options.fetch_index_options(args),
         )
         outcome = await follow(b, retrieval, cd.layers, t0, args)
         result = outcome["result"]
@@ -642,6 +645,7 @@ async def follow(
         "verified_bytes": consumer.verified_objects * consumer.data_length,
         "missing": consumer.missing_objects,
         "stall_timeout": args.stall_timeout,
+        "index": index_options.index_report(consumer, retrieval.events),
     }
 
 
@@ -712,6 +716,7 @@ def finish_fetch(
         recompute_blocks=recompute_blocks,
         bit_identical=identical,
         out=str(args.out) if args.out and complete else None,
+        **outcome.get("index", {}),
         **extra,
     )
     if result is None:
