@@ -272,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop once no new namespace came for S seconds",
     )
     ls.add_argument("--json", action="store_true", help="machine-readable output")
+    index_options.add_ls_index_options(ls)
     add_client_tls_options(ls)
     add_transport_options(ls)
 

@@ -811,12 +811,20 @@ def fail_line(message: str, status: int) -> int:
 
 async def ls(b: ModuleType, args: argparse.Namespace) -> int:
     prefix = parse_namespace(args.prefix)
+    index_prefix = index_options.index_listing_prefix(prefix) if args.index else None
     async with _connect(b, args) as client:
         found = await client.discover(prefix, quiet=args.quiet, timeout=args.timeout)
+        entries = (
+            []
+            if index_prefix is None
+            else await client.discover(index_prefix, quiet=args.quiet, timeout=args.timeout)
+        )
     for ns in found:
         describe(args, ns)
     if not args.json:
         print(f"{len(found)} namespace(s) under {args.prefix!r}", file=sys.stderr)
+    if index_prefix is not None:
+        index_options.describe_index_entries(args, entries, index_prefix)
     return Exit.OK
 
 

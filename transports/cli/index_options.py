@@ -9,17 +9,22 @@ whole prompt is not published (``--no-index``: never; ``--index-stride S``: look
 up only multiples of ``S``, the stride the publishers use; ``--index-timeout S``:
 how long one lookup waits). :func:`index_report` gives the fields ``kvcs fetch``
 adds to its report: how many lookups were made and how many blocks the index
-found shared.
+found shared. ``kvcs ls --index`` lists the index entries (``kvcs-idx-1``
+namespaces) after the publications, as a separate list.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from kvcs_core.kvcs.consumer import IndexOptions, IndexSearchDone, KvcsConsumer
+from kvcs_core.kvcs.index import INDEX_NAMESPACE_TAG, IndexNamespace
+from kvcs_core.kvcs.names import KVCS_NAMESPACE_TAG
+from kvcs_core.wire.names import TrackNamespace
 
-from .common import CliError, Exit
+from .common import CliError, Exit, format_namespace, json_line
 
 DEFAULT_INDEX_TIMEOUT = 0.3
 
@@ -87,3 +92,48 @@ def index_report(consumer: KvcsConsumer, events: list[Any]) -> dict[str, Any]:
         "index_lookups": consumer.index_lookups,
         "index_shared_blocks": consumer.index_shared_blocks if searched else None,
     }
+
+
+def add_ls_index_options(ls: argparse.ArgumentParser) -> None:
+    ls.add_argument(
+        "--index",
+        action="store_true",
+        help="also list the KVSP index entries (kvcs-idx-1 namespaces under the same scope "
+        "and descriptor fields), apart from the publications",
+    )
+
+
+def index_listing_prefix(prefix: TrackNamespace) -> TrackNamespace:
+    """The index prefix that goes with a ``kvcs ls --prefix``: ``kvcs-idx-1`` and the
+    prefix's Scope ID / Compatibility ID fields when it is a ``kvcs-1`` prefix."""
+    fields = prefix.fields
+    rest = fields[1:3] if fields[:1] == (KVCS_NAMESPACE_TAG,) else ()
+    return TrackNamespace((INDEX_NAMESPACE_TAG, *rest))
+
+
+def describe_index_entries(
+    args: argparse.Namespace, entries: list[TrackNamespace], prefix: TrackNamespace
+) -> None:
+    """One line per index entry: JSON with ``"kind": "index"``, or text after a heading."""
+    if not args.json:
+        print(f"index entries under {format_namespace(prefix)!r}:")
+    for ns in entries:
+        entry = IndexNamespace.try_parse(ns)
+        fields: dict[str, Any] = {"kind": "index", "namespace": format_namespace(ns)}
+        if entry is not None:
+            fields.update(
+                scope_id=entry.scope_id.hex(),
+                compat_id=entry.compat_id.hex(),
+                block_key=entry.block_key.hex(),
+                publication_id=entry.publication_id.hex(),
+            )
+        if args.json:
+            json_line(**fields)
+        elif entry is not None:
+            print(
+                f"  block key {fields['block_key'][:16]}…  publication {fields['publication_id']}"
+            )
+        else:
+            print(f"  {fields['namespace']}")
+    if not args.json:
+        print(f"{len(entries)} index entr{'y' if len(entries) == 1 else 'ies'}", file=sys.stderr)
