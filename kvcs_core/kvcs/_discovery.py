@@ -131,6 +131,10 @@ class DiscoveryMixin(ConsumerCore):
     def _index_session_ready(self, slot: SessionSlot, now: float) -> None:
         """A session became usable (the index search may ask it too)."""
 
+    def _index_holds_selection(self, now: float) -> bool:
+        """True while the index search runs: the longest publication is chosen at its end."""
+        return False
+
     def _discovery_timer(self, now: float) -> None:
         if self._disc_deadline is None or self._disc_deadline > now:
             return
@@ -227,7 +231,7 @@ class DiscoveryMixin(ConsumerCore):
         return max(cands, key=lambda pub: (pub.prefix_blocks, -pub.order), default=None)
 
     def _select_primary(self, now: float) -> None:
-        if self._phase is not Phase.DISCOVERING:
+        if self._phase is not Phase.DISCOVERING or self._index_holds_selection(now):
             return
         if self._primary is not None and self._primary.state is PubState.MANIFEST_PENDING:
             return

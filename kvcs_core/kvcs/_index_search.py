@@ -8,6 +8,9 @@ the first direct prefix (the whole prompt, ``m`` blocks) finds nothing within
 ``discovery_timeout``, and the index is on (:class:`IndexOptions`), the consumer
 searches the index before it tries the shorter direct prefixes:
 
+0. the shorter direct prefixes (``_discovery``) are all subscribed at once, beside
+   the search; a publication they announce raises the search's floor (no lookup
+   at or below its length), and no publication is chosen before the search ends;
 1. :class:`~kvcs_core.kvcs.index.PrefixSearch` picks a prefix length ``j`` (binary
    search over ``1..m``, or over the multiples of the stride);
 2. *lookup*: SUBSCRIBE_NAMESPACE ``("kvcs-idx-1", Scope ID, Compatibility ID,
@@ -25,10 +28,11 @@ searches the index before it tries the shorter direct prefixes:
    (:class:`IndexLookupDone`);
 5. at the end (:class:`IndexSearchDone`) the publications named by the records of
    the longest shared prefix, then those of shorter ones, become candidates for
-   that many blocks, exactly as ``add_publication`` would add them; their manifest
-   is fetched and verified as usual and only blocks ``0..j-1`` are retrieved. If
-   the search found nothing, or every candidate is rejected, direct discovery goes
-   on with its shorter prefixes, then recomputation is reported.
+   that many blocks, exactly as ``add_publication`` would add them, beside those
+   direct discovery found; the longest is chosen, its manifest is fetched and
+   verified as usual and only blocks ``0..j-1`` are retrieved. A rejected one is
+   replaced by the next longest; when none is left (and the direct prefixes had
+   their ``discovery_timeout``), recomputation is reported.
 
 Bounded: at most ``ceil(log2(c + 1))`` lookups for ``c`` candidate lengths, one
 record request per announced publication per lookup (at most
@@ -44,6 +48,7 @@ import attrs
 from kvcs_core.kvcs._consumer_core import (
     IndexLookupRequest,
     Phase,
+    PubState,
     RecordRequest,
     SessionSlot,
 )
@@ -106,6 +111,7 @@ class IndexSearchMixin(DiscoveryMixin):
     _probe_records: int
     _found: dict[int, list[IndexRecord]]
     _index_discarded: list[IndexRecordDiscarded]
+    _index_started: float
 
     def _init_index(self, options: IndexOptions | None) -> None:
         self._index_opts = options
@@ -117,6 +123,7 @@ class IndexSearchMixin(DiscoveryMixin):
         self._probe_records = 0
         self._found = {}
         self._index_discarded = []
+        self._index_started = 0.0
 
     # --- getters ----------------------------------------------------------------------------
 
@@ -147,7 +154,14 @@ class IndexSearchMixin(DiscoveryMixin):
         if self._disc_pos < 0:
             return False  # the whole prompt is tried directly first
         self._index_phase = IndexPhase.RUNNING
+        self._index_started = now
         self._disc_deadline = None
+        # the shorter direct prefixes are asked now, all at once, beside the search; the
+        # longest publication of either kind is chosen when the search ends
+        for prefix in self.prefixes[self._disc_pos + 1 :]:
+            for slot in self._sessions:
+                self._send_namespace(slot, prefix, now)
+        self._disc_pos = len(self.prefixes) - 1
         stride = self._index_opts.stride
         if stride > len(self.block_keys):
             self._end_search(now)
@@ -159,6 +173,8 @@ class IndexSearchMixin(DiscoveryMixin):
     def _next_probe(self, now: float) -> None:
         search = self._isearch
         assert search is not None and self._index_opts is not None
+        direct = [p.prefix_blocks for p in self._pubs.values() if p.state is PubState.CANDIDATE]
+        search.raise_floor(max(direct, default=0))
         length = search.next_probe
         if length is None:
             self._end_search(now)
@@ -222,17 +238,19 @@ class IndexSearchMixin(DiscoveryMixin):
         )
         if self._phase is not Phase.DISCOVERING:
             return
-        added = False
         for record in order:
             try:
                 self._add_known(record.namespace, record.block_index + 1, now)
             except LocalProtocolError:
                 break  # max_publications reached
-            added = True
             if self._phase is not Phase.DISCOVERING:
-                break
-        if not added:
-            self._advance_discovery(now)  # the index found nothing: shorter direct prefixes
+                return
+        if self._primary is None:
+            # nothing usable yet: the direct prefixes asked at the start get their
+            # discovery_timeout, then discovery is over
+            wait_until = self._index_started + self.config.discovery_timeout
+            self._disc_deadline = wait_until if wait_until > now else None
+            self._select_primary(now)
 
     # --- timers -----------------------------------------------------------------------------
 
@@ -243,6 +261,9 @@ class IndexSearchMixin(DiscoveryMixin):
             and self._probe_deadline <= now
         ):
             self._conclude_probe(now, shared=False)
+
+    def _index_holds_selection(self, now: float) -> bool:
+        return self._index_phase is IndexPhase.RUNNING
 
     def _index_deadline(self) -> float | None:
         return self._probe_deadline if self._index_phase is IndexPhase.RUNNING else None

@@ -356,6 +356,12 @@ class PrefixSearch:
         """The longest prefix length known to be shared (0: none)."""
         return self.candidates[self._lo - 1] if self._lo else 0
 
+    def raise_floor(self, length: int) -> None:
+        """``length`` blocks are known to be shared (a publication found directly): no
+        lookup at or below it is needed (never past a length already found not shared)."""
+        known = sum(1 for c in self.candidates if c <= length)
+        self._lo = max(self._lo, min(known, self._hi))
+
     def answer(self, length: int, shared: bool) -> None:
         """The lookup of ``length`` (the current :attr:`next_probe`) found a usable record
         (``shared``) or not."""

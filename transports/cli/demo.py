@@ -12,7 +12,11 @@ What runs:
    first layer), *mid* (joins halfway through production), *late* (after the
    cache is complete: FETCH from the relay's cache) and *partial* (its prompt
    extends the producer's by a few blocks: it finds the shorter publication by
-   discovery and receives exactly the shared blocks).
+   discovery and receives exactly the shared blocks) and *half* (its prompt shares
+   only the first half of the producer's blocks, then differs: the publication's
+   Anchor Key is not one it can compute, so it finds it through the KVSP index,
+   binding 9, and receives exactly the shared half; the table says in how many
+   index lookups).
 
 Every consumer's result is compared bit for bit with the source cache. The
 table reports, per consumer, the time to its first usable layer and to the
@@ -105,6 +109,8 @@ class Consumer:
     missing: int = 0
     recompute: list[str] = attrs.field(factory=list)
     """RecomputeNeeded events (layers and blocks the consumer gave up on)."""
+    lookups: int = 0
+    """KVSP index lookups it made (0: found directly)."""
 
 
 async def demo(b: ModuleType, args: argparse.Namespace) -> int:
@@ -210,6 +216,8 @@ async def run_demo(b: ModuleType, args: argparse.Namespace, url: str, source: Ca
     tls = TlsConfig(verify=False)  # the relay's certificate is self-signed for this run
     blocks = len(source.tokens) // cd.block_tokens
     extra = tuple(range(900_000, 900_000 + 4 * cd.block_tokens + 5))
+    half = blocks // 2
+    other = tuple(range(800_000, 800_000 + 3 * cd.block_tokens))  # differs from block `half`
     consumers = [
         Consumer(
             "live",
@@ -239,8 +247,15 @@ async def run_demo(b: ModuleType, args: argparse.Namespace, url: str, source: Ca
             blocks,
             KvDestination(cd, (blocks + 4) * cd.block_tokens),
         ),
+        Consumer(
+            "half",
+            "shares half, then differs: index",
+            source.tokens[: half * cd.block_tokens] + other,
+            half,
+            KvDestination(cd, (half + 3) * cd.block_tokens),
+        ),
     ]
-    live, mid, late, partial = consumers
+    live, mid, late, partial, half_c = consumers
     t0 = time.monotonic()
     async with b.connect(
         url,
@@ -287,7 +302,11 @@ async def run_demo(b: ModuleType, args: argparse.Namespace, url: str, source: Ca
         async def after_job() -> None:
             while not (pub.publisher.complete and live.ended is not None):
                 await b.sleep(0.02)
-            await b.gather(lambda: consume(late, [False]), lambda: consume(partial, [False]))
+            await b.gather(
+                lambda: consume(late, [False]),
+                lambda: consume(partial, [False]),
+                lambda: consume(half_c, [False]),
+            )
 
         await b.gather(
             lambda: produce(live_ready), lambda: consume(live, live_ready), mid_job, after_job
@@ -340,6 +359,7 @@ async def retrieve(
     c.discarded = sum(1 for e in r.events if isinstance(e, ObjectDiscarded))
     c.missing = r.consumer.missing_objects
     c.recompute = [str(e) for e in r.recompute][:4]
+    c.lookups = r.consumer.index_lookups
 
 
 def report(
@@ -368,6 +388,7 @@ def report(
                 "discarded": c.discarded,
                 "missing": c.missing,
                 "recompute": c.recompute,
+                "index_lookups": c.lookups,
             }
         )
     if args.json:
@@ -400,6 +421,9 @@ def report(
                 f"{row['consumer']:<9}{row['how']:<34}{row['blocks']:>8}{first:>11}"
                 f"{row['seconds']:>7.2f}s{row['mb']:>7.1f}{rate:>7}  {ok}"
             )
+        for c in consumers:
+            if c.lookups:
+                print(f"{c.name}: found through the KVSP index in {c.lookups} lookups")
         print()
         print(
             f"producer sent {sent:,} bytes once; the relay delivered {delivered:,} bytes of "
