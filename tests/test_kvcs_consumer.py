@@ -378,7 +378,11 @@ def test_no_publication_means_recompute() -> None:
     assert len(need) == 1 and need[0].reason is RecomputeReason.NO_PUBLICATION
     assert need[0].blocks == (0, 1, 2, 3) and need[0].layers == tuple(range(L))
     assert (done.publication_id, done.blocks, done.complete) == (None, 0, False)
-    assert len(server_requests(pair, ev.SubscribeNamespaceRequested)) == 3  # prefixes 4, 2, 1
+    asked = [e.prefix.fields[0] for e in server_requests(pair, ev.SubscribeNamespaceRequested)]
+    assert asked.count(b"kvcs-1") == 3  # direct prefixes 4, 2, 1
+    # and the KVSP index (binding 9): a binary search over 1..4 that finds nothing
+    assert asked.count(b"kvcs-idx-1") == c.index_lookups == 2  # lengths 2, then 1
+    assert c.index_shared_blocks == 0
 
 
 # --- manifests -----------------------------------------------------------------------------
