@@ -107,7 +107,7 @@ class IndexSearchMixin(DiscoveryMixin):
     _isearch: PrefixSearch | None
     _probe: int | None
     _probe_deadline: float | None
-    _probe_seen: set[bytes]
+    _probe_seen: set[tuple[int, bytes]]
     _probe_records: int
     _found: dict[int, list[IndexRecord]]
     _index_discarded: list[IndexRecordDiscarded]
@@ -313,12 +313,13 @@ class IndexSearchMixin(DiscoveryMixin):
             return  # not an index namespace of this lookup: ignored (binding 4)
         opts = self._index_opts
         assert opts is not None
-        if ins.publication_id in self._probe_seen or self._probe_records >= (
+        seen = (slot.index, ins.publication_id)  # one record request per session and publication
+        if seen in self._probe_seen or self._probe_records >= (
             opts.max_records_per_lookup
         ):
             return
         if self._subscribe_record(slot, ins, req.length, now, signed=True):
-            self._probe_seen.add(ins.publication_id)
+            self._probe_seen.add(seen)
             self._probe_records += 1
             deadline = now + opts.timeout
             if self._probe_deadline is None or self._probe_deadline < deadline:
