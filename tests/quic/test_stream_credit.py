@@ -1,7 +1,9 @@
 """More open requests than the peer's QUIC stream credit, over real QUIC on 127.0.0.1.
 
 Issue 10, finding 8: every request of ours is a bidirectional stream (d21 section
-6.4.2) and an aioquic server grants 128 of them (MAX_STREAMS) until some close. A
+6.4.2) and a server grants only so many of them (MAX_STREAMS) until some close:
+aioquic 128 and qh3 100 by themselves, ``stack.PEER_BIDI_STREAMS`` (1024) as kvcs
+configures both since issue 15 (a publication's index holds one stream per block). A
 client that made more requests than that used to close its own session after
 ``request_timeout`` (CONTROL_MESSAGE_TIMEOUT), counting time its requests spent
 queued for credit, unseen by the peer (aioquic); over qh3 the stack refused the
@@ -26,7 +28,7 @@ from kvcs.transports.quic._setup import client_configuration, client_session_con
 from kvcs.transports.quic.config import parse_url, quic_configuration
 from kvcs.transports.quic.endpoint import QuicEndpoint
 from kvcs.transports.quic.pump import SessionPump
-from kvcs.transports.quic.stack import load_stack
+from kvcs.transports.quic.stack import PEER_BIDI_STREAMS, load_stack
 from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.track_store import TrackStore
@@ -40,8 +42,8 @@ try:
 except ImportError:
     HAVE_QH3 = False
 
-SERVER_CREDIT = 128
-"""The bidirectional streams an aioquic server lets a client open at first."""
+SERVER_CREDIT = PEER_BIDI_STREAMS
+"""The bidirectional streams a kvcs server (either stack) lets a client open at first."""
 EXTRA = 12
 REQUEST_TIMEOUT = 2.0
 WAIT = 30.0
@@ -133,7 +135,7 @@ async def _scenario(client_stack: str, tls: TlsConfig, webtransport: bool) -> No
         await cdrv.wait_for(lambda: pump.session.setup_complete or pump.terminated, WAIT)
         assert pump.session.setup_complete, pump.close_reason
         s = pump.session
-        # over WebTransport the CONNECT stream takes one of the server's 128 bidi streams
+        # over WebTransport the CONNECT stream takes one of the server's bidi streams
         credit = SERVER_CREDIT - (1 if webtransport else 0)
         total = credit + EXTRA
         rids = [

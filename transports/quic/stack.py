@@ -52,6 +52,24 @@ packets, and the kernel's per-packet work, of the client-to-server direction).
 :func:`_qh3_connection` makes a client whose ``max_datagram_size`` is larger
 advertise that size instead (RFC 9000 section 18.2: the largest UDP payload it
 is willing to receive; :mod:`.udp` reads datagrams of up to 64 KiB).
+
+And one limit is raised: how many bidirectional streams the peer may have open at
+once. Every MOQT request is a bidirectional stream that stays open while the
+request lives, and a publication's KVSP index (binding 9) keeps one
+PUBLISH_NAMESPACE open per indexed block, so a publisher of a 256-block
+publication holds about 260 request streams on its session with the relay. qh3
+2.1 grants its peer 100 of them (a constant in ``QuicConnection``, not a
+configuration setting) and aioquic 128 (a ``Limit`` it raises only as streams
+end), so the rest waited for credit that never came. Both now grant
+:data:`PEER_BIDI_STREAMS`, the same as the session's own bound on the peer's open
+requests (``SessionConfig.max_concurrent_peer_requests``, 1024: past it the
+session answers EXCESSIVE_LOAD), so the MOQT limit, with its clear error, is the
+one that applies. For qh3, :func:`_qh3_more_streams` passes it to the native
+core (which enforces it) and :func:`_qh3_connection` writes it into the
+``initial_max_streams_bidi`` transport parameter (which qh3 also hard-codes, to
+100); :func:`_aioquic_connection` sets aioquic's limit before the handshake (its
+transport parameters carry it). Where a stack's internals are not as expected,
+its own default stays and a debug line says so.
 """
 
 from __future__ import annotations
@@ -65,6 +83,12 @@ from typing import Any
 import attrs
 
 log = logging.getLogger("kvcs.quic")
+
+PEER_BIDI_STREAMS = 1024
+"""Bidirectional streams the peer may have open at once (module docstring)."""
+_QH3_LOCAL_MAX_STREAMS_BIDI_ARG = 21
+"""Position of ``local_max_streams_bidi`` in qh3 2.1's ``QuicConnectionCore(...)``."""
+_QH3_DEFAULT_STREAMS_BIDI = 100
 
 ALPN = "moqt-22"
 """The ALPN of MOQT draft-22 over native QUIC (wire reference section 1)."""
@@ -176,6 +200,7 @@ QH3_CLIENT_MAX_UDP_PAYLOAD = 1472
 """The ``max_udp_payload_size`` a qh3 2.1 client advertises whatever its configuration."""
 
 _TP_MAX_UDP_PAYLOAD_SIZE = 0x03
+_TP_INITIAL_MAX_STREAMS_BIDI = 0x08
 _TLS_EXT_QUIC_TRANSPORT_PARAMETERS = 0x39
 
 
@@ -200,8 +225,14 @@ def _varint(value: int) -> bytes:
 def with_max_udp_payload_size(params: bytes, size: int) -> bytes:
     """Encoded QUIC transport parameters with ``max_udp_payload_size`` set to ``size``
     (replaced where present, appended otherwise; every other parameter kept as is)."""
-    value = _varint(size)
-    entry = _varint(_TP_MAX_UDP_PAYLOAD_SIZE) + _varint(len(value)) + value
+    return with_transport_parameter(params, _TP_MAX_UDP_PAYLOAD_SIZE, size)
+
+
+def with_transport_parameter(params: bytes, param_id: int, number: int) -> bytes:
+    """Encoded QUIC transport parameters with the integer parameter ``param_id`` set to
+    ``number`` (replaced where present, appended otherwise; the others kept as is)."""
+    value = _varint(number)
+    entry = _varint(param_id) + _varint(len(value)) + value
     out = bytearray()
     pos = 0
     while pos < len(params):
@@ -211,8 +242,8 @@ def with_max_udp_payload_size(params: bytes, size: int) -> bytes:
         pos += length
         if pos > len(params):
             raise ValueError("truncated transport parameter")
-        out += entry if pid == _TP_MAX_UDP_PAYLOAD_SIZE else params[start:pos]
-        if pid == _TP_MAX_UDP_PAYLOAD_SIZE:
+        out += entry if pid == param_id else params[start:pos]
+        if pid == param_id:
             entry = b""
     return bytes(out + entry)
 
@@ -223,8 +254,7 @@ def _qh3_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any]:
     def connection(*, configuration: Any, **kwargs: Any) -> Any:
         conn = connection_cls(configuration=configuration, **kwargs)
         size = int(configuration.max_datagram_size)
-        if not configuration.is_client or size <= QH3_CLIENT_MAX_UDP_PAYLOAD:
-            return conn
+        bigger = configuration.is_client and size > QH3_CLIENT_MAX_UDP_PAYLOAD
         create_tls = conn._create_tls
 
         def create_tls_advertising(*args: Any, **kw: Any) -> Any:
@@ -232,10 +262,50 @@ def _qh3_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any]:
             exts = bridge.tls.handshake_extensions
             for i, (kind, data) in enumerate(exts):
                 if kind == _TLS_EXT_QUIC_TRANSPORT_PARAMETERS:
-                    exts[i] = (kind, with_max_udp_payload_size(data, size))
+                    data = with_transport_parameter(
+                        data, _TP_INITIAL_MAX_STREAMS_BIDI, PEER_BIDI_STREAMS
+                    )
+                    if bigger:
+                        data = with_max_udp_payload_size(data, size)
+                    exts[i] = (kind, data)
             return bridge
 
         conn._create_tls = create_tls_advertising
+        return conn
+
+    return connection
+
+
+def _qh3_more_streams(conn_mod: ModuleType) -> None:
+    """Make qh3's connections grant :data:`PEER_BIDI_STREAMS` (module docstring): wrap the
+    native core's constructor in ``qh3.quic.connection`` (once), changing only its
+    ``local_max_streams_bidi`` argument, and only when it holds qh3 2.1's constant."""
+    core = getattr(conn_mod, "QuicConnectionCore", None)
+    if core is None or getattr(core, "_kvcs_streams", False):
+        return
+    pos = _QH3_LOCAL_MAX_STREAMS_BIDI_ARG
+
+    def core_with_more_streams(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > pos and args[pos] == _QH3_DEFAULT_STREAMS_BIDI:
+            args = (*args[:pos], PEER_BIDI_STREAMS, *args[pos + 1 :])
+        else:
+            log.debug("qh3: QuicConnectionCore arguments not as expected; stream limit kept")
+        return core(*args, **kwargs)
+
+    core_with_more_streams._kvcs_streams = True  # type: ignore[attr-defined]
+    conn_mod.QuicConnectionCore = core_with_more_streams
+
+
+def _aioquic_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any]:
+    """aioquic's ``QuicConnection`` granting :data:`PEER_BIDI_STREAMS` (module docstring)."""
+
+    def connection(*, configuration: Any, **kwargs: Any) -> Any:
+        conn = connection_cls(configuration=configuration, **kwargs)
+        limit = getattr(conn, "_local_max_streams_bidi", None)
+        if limit is not None and hasattr(limit, "value") and hasattr(limit, "sent"):
+            limit.value = limit.sent = max(int(limit.value), PEER_BIDI_STREAMS)
+        else:
+            log.debug("aioquic: no _local_max_streams_bidi; stream limit kept")
         return conn
 
     return connection
@@ -261,12 +331,13 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         unsent = _aioquic_unsent
         datagrams = _aioquic_datagrams
         credit = _aioquic_bidi_credit
-        connection = conn_mod.QuicConnection
+        connection = _aioquic_connection(conn_mod.QuicConnection)
     else:
         buffer_cls = importlib.import_module("qh3._hazmat").Buffer
         unsent = _qh3_unsent
         datagrams = _qh3_datagrams
         credit = _qh3_bidi_credit
+        _qh3_more_streams(conn_mod)  # before any connection: a server's builds its core at once
         connection = _qh3_connection(conn_mod.QuicConnection)
     pull = packet_mod.pull_quic_header
 
