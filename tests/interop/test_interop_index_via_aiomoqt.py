@@ -37,7 +37,8 @@ def test_partial_prompts_find_the_publication_through_the_index_on_aiomoqt(peers
             )  # fmt: skip
             status = await proc_exit(fetch, 45)
             done = fetch.last("done")
-            assert status == 0 and done is not None, (fetch.events[-3:], fetch.other[-3:])
+            err = (peers.tmp / f"fetch-{prompt}.stderr").read_text(errors="replace")[-2000:]
+            assert status == 0 and done is not None, (prompt, status, fetch.events[-2:], err)
             shared = prompt // BLOCK
             assert done["complete"] and done["bit_identical"], done
             assert done["blocks"] == shared, done

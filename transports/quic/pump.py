@@ -651,7 +651,13 @@ class SessionPump:
                 self._unsent_streams.discard(sid)
                 self.quic.reset_stream(sid, code)
         else:
-            self.quic.stop_stream(sid, code)
+            try:
+                self.quic.stop_stream(sid, code)
+            except (AssertionError, ValueError) as exc:
+                # the stack has already received the whole stream (qh3: "cannot stop
+                # receiving on a completed stream"): there is nothing left to stop, and
+                # it is no reason to end the connection
+                log.debug("%s: stream %d: STOP_SENDING not sent: %s", self.label, sid, exc)
 
     def _close_quic(self, code: int, reason: str, *, transport: bool = False) -> None:
         if self._closing:
