@@ -14,7 +14,8 @@ This module is the public, typed API (asyncio). ``import kvcs`` gives:
 * **Options**: :class:`TlsConfig` and :func:`self_signed` (certificates and
   trust), :class:`Backoff` (reconnection), :class:`RelayConfig` (the relay's
   bounds), :class:`ConsumerConfig` and :class:`TrackSelection` (a retrieval's
-  bounds and tracks), :class:`TrackOffer` (a publication's tracks),
+  bounds and tracks), :class:`IndexOptions` (how a retrieval uses the KVSP
+  index to find a publication that only partly shares its prompt), :class:`TrackOffer` (a publication's tracks),
   :class:`ManifestSigner` (a signed manifest).
 * **The cache**: :class:`CompatibilityDescriptor` (the KVSP descriptor: model,
   layers, heads, dtype, block size); the numpy adapter :func:`layer_sections`
@@ -58,6 +59,7 @@ from kvcs.transports.quic.stack import StackUnavailable
 from kvcs.transports.quic.tls import TlsConfig, TlsError, self_signed
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
+    IndexOptions,
     LayerReady,
     RecomputeNeeded,
     RetrievalComplete,
@@ -78,6 +80,7 @@ __all__ = [
     "ConnectError",
     "ConsumerConfig",
     "DescriptorError",
+    "IndexOptions",
     "KvDestination",
     "LayerReady",
     "LayerSections",

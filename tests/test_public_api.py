@@ -41,6 +41,7 @@ PUBLIC = [
     "ConnectError",
     "ConsumerConfig",
     "DescriptorError",
+    "IndexOptions",
     "KvDestination",
     "LayerReady",
     "LayerSections",
