@@ -365,6 +365,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     pub_id = publication_id(args)
     cd = cache.cd
     published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
+    index_stride = index_options.publish_index_stride(args)  # checked before connecting
     async with _connect(b, args) as client:
         try:
             pub = await client.publish_cache(
@@ -374,7 +375,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 publication_id=pub_id,
                 signer=signer,
                 deterministic=args.deterministic,
-                index_stride=index_options.publish_index_stride(args),
+                index_stride=index_stride,
             )
         except PublisherError as exc:
             raise CliError(f"cannot publish: {exc}", Exit.USAGE) from None
@@ -548,6 +549,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             Exit.USAGE,
         )
     usable = full_blocks(len(tokens), cd.block_tokens, "fetch")
+    index = index_options.fetch_index_options(args)  # checked before connecting
     dest = KvDestination(cd, usable)
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(_connect(b, args))
@@ -574,7 +576,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             require_authenticity=keys is not None,
             recovery_time_bound=args.recovery_time,
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
-            index=index_options.fetch_index_options(args),
+            index=index,
         )
         outcome = await follow(b, retrieval, cd.layers, t0, args)
         result = outcome["result"]
