@@ -1,6 +1,6 @@
 """The KVSP index (binding 9, issue #15) over real QUIC on 127.0.0.1, through relays.
 
-A signed 1000-token publication (16-token blocks: 62 blocks, 2 layers) is published
+A signed 1000-token publication (16-token blocks: 62 blocks, 4 layers) is published
 through an in-process ``kvcs relay`` (``serve_relay``); consumers whose prompts the
 publication only partly shares find it through the index (its Anchor Key is
 ``K_61``, which none of them can compute), through the same relay or through a
@@ -17,6 +17,11 @@ signed by a key that is not the producer's, naming another publication) is
 detected (``IndexRecordDiscarded``), nothing it forged is used, and the consumer
 falls back: to the shorter prefix whose record is genuine, or, with an honest relay
 beside it, to that relay's records.
+
+With 62 index namespaces the relay's session holds more than 64 requests of the
+publisher, so its request table is swept while the manifest's fill (about 34 KB,
+4 layers) is still arriving after its PUBLISH_DONE: a sweep that forgot the
+draining subscription dropped that fill (no manifest, "no publication found").
 
 Every wait has a deadline; relays and clients are closed by their context managers.
 """
@@ -53,7 +58,7 @@ from kvcs_core.kvcs.publisher import ManifestSigner
 from kvcs_core.moqt import events as ev
 from kvcs_core.wire.codes import ObjectStatus
 
-LAYERS, TOKENS, BLOCK = 2, 1000, 16
+LAYERS, TOKENS, BLOCK = 4, 1000, 16
 SCOPE_KEY = bytes(range(32))
 KID = b"producer"
 WAIT = 30.0
@@ -152,11 +157,11 @@ def test_partial_prompts_find_the_longer_publication_through_the_index(
         async with relays(tmp_path, tree) as (pub_url, url, trust), AsyncExitStack() as stack:
             producer = await stack.enter_async_context(b.connect(pub_url, tls=trust))
             await publish(producer)
+            whole = await stack.enter_async_context(b.connect(url, tls=trust))
+            out["whole"] = await retrieve(whole, list(SRC.tokens))
             for name, (tokens, _shared) in PROMPTS.items():
                 async with b.connect(url, tls=trust) as client:
                     out[name] = await retrieve(client, tokens)
-            whole = await stack.enter_async_context(b.connect(url, tls=trust))
-            out["whole"] = await retrieve(whole, list(SRC.tokens))
         return out
 
     results = asyncio.run(asyncio.wait_for(scenario(), 120))
