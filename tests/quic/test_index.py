@@ -47,6 +47,7 @@ from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs._verify import unverified_cose_payload
 from kvcs_core.kvcs.consumer import (
     IndexLookupDone,
+    IndexOptions,
     IndexRecordDiscarded,
     IndexRejectReason,
     IndexSearchDone,
@@ -96,10 +97,10 @@ async def relays(tmp: Path, tree: bool) -> AsyncIterator[tuple[str, str, TlsConf
             yield root.url, leaf.url, trust
 
 
-async def publish(client: MoqtClient) -> Any:
+async def publish(client: MoqtClient, stride: int = 1) -> Any:
     pub = await client.publish_cache(
         SRC.descriptor, SCOPE_KEY, SRC.tokens, publication_id=PUB_ID,
-        signer=ManifestSigner(PRODUCER, KID),
+        signer=ManifestSigner(PRODUCER, KID), index_stride=stride,
     )  # fmt: skip
     for layer in range(LAYERS):
         s = layer_sections(SRC.k[layer], SRC.v[layer], SRC.cd)
@@ -119,10 +120,14 @@ class Got:
 
 
 async def retrieve(
-    client: MoqtClient, tokens: list[int], also: tuple[MoqtClient, ...] = ()
+    client: MoqtClient,
+    tokens: list[int],
+    also: tuple[MoqtClient, ...] = (),
+    index: IndexOptions | None = IndexOptions(),  # noqa: B008 - frozen
 ) -> Got:
     r = client.retrieve_cache(
         SRC.descriptor, SCOPE_KEY, tokens, also=also, producer_keys={KID: PRODUCER.public_key()},
+        index=index,
     )  # fmt: skip
     res = await r.result(timeout=WAIT, strict=False)
     c = r.consumer
@@ -171,6 +176,26 @@ def test_partial_prompts_find_the_longer_publication_through_the_index(
     whole = results["whole"]
     assert whole.complete and whole.blocks == TOKENS // BLOCK and whole.identical
     assert whole.lookups == 0
+
+
+def test_with_a_stride_the_prefix_is_rounded_down_to_its_multiples(tmp_path: Path) -> None:
+    tokens, _ = PROMPTS["shares-700-then-differs"]  # 43 blocks shared
+
+    async def scenario() -> Got:
+        async with AsyncExitStack() as stack:
+            _pub_url, url, trust = await stack.enter_async_context(relays(tmp_path, False))
+            producer = await stack.enter_async_context(b.connect(url, tls=trust))
+            c = await stack.enter_async_context(b.connect(url, tls=trust))
+            pub = await publish(producer, stride=4)
+            assert len(pub.publisher.index.namespaces) == 62 // 4 + 1  # and the last block
+            return await retrieve(c, tokens, index=IndexOptions(stride=4))
+
+    got = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert got.complete and got.blocks == 40 and got.identical  # 40 = 4 x 10 <= 43
+    assert got.verified == 2 * LAYERS * 40
+    lookups = [e.length for e in got.events if isinstance(e, IndexLookupDone)]
+    assert lookups and all(j % 4 == 0 for j in lookups)
+    assert got.lookups <= math.ceil(math.log2(len(tokens) // BLOCK // 4 + 1))
 
 
 # --- a forging relay ---------------------------------------------------------------------
