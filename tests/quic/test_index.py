@@ -279,3 +279,37 @@ def test_a_relay_forging_index_records_is_detected_and_the_consumer_falls_back(
     # with the honest relay beside it, its genuine records give the whole shared prefix
     assert any(isinstance(e, IndexRecordDiscarded) for e in beside.events)
     check(beside, tokens, shared)
+
+
+def test_the_index_is_withdrawn_with_the_publication(tmp_path: Path) -> None:
+    """``KvcsPublisher.withdraw`` cancels the publication's and its index's
+    PUBLISH_NAMESPACEs (the relay forgets them all); closing the session does the same."""
+
+    async def scenario() -> tuple[int, int, int, int]:
+        tls = self_signed(tmp_path / "tls")
+        trust = TlsConfig(cafile=tls.cafile)
+        async with b.serve_relay("127.0.0.1:0", tls=tls) as relay:
+            def count() -> int:
+                return len(relay.relay.namespaces())
+
+            async with b.connect(relay.url, tls=trust) as producer:
+                pub = await publish(producer)
+                await producer.driver.wait_for(lambda: count() == 63, WAIT)
+                announced = count()
+                pub.publisher.withdraw(now=producer.driver.now())
+                producer.driver.wake()
+                await producer.driver.wait_for(lambda: count() == 0, WAIT)
+                withdrawn = count()
+            async with b.connect(relay.url, tls=trust) as again:
+                await publish(again)
+                await again.driver.wait_for(lambda: count() == 63, WAIT)
+                republished = count()
+            await asyncio.sleep(0.2)
+            for _ in range(100):  # the relay sees the session end
+                if count() == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return announced, withdrawn, republished, count()
+
+    announced, withdrawn, republished, closed = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert (announced, withdrawn, republished, closed) == (63, 0, 63, 0)
