@@ -133,7 +133,10 @@ def test_demo_json_is_json_lines_only_with_snake_case_keys() -> None:
     lines = [line for line in r.stdout.splitlines() if line.strip()]
     rows = [json.loads(line) for line in lines]  # every stdout line is JSON
     consumers = [row for row in rows if row["event"] == "consumer"]
-    assert sorted(row["consumer"] for row in consumers) == ["late", "live", "mid", "partial"]
+    names = sorted(row["consumer"] for row in consumers)
+    assert names == ["half", "late", "live", "mid", "partial"]
+    half = next(row for row in consumers if row["consumer"] == "half")
+    assert half["bit_identical"] and half["blocks"] == "2/5" and half["index_lookups"] >= 1, half
     assert [row["event"] for row in rows].count("summary") == 1
     for row in rows:
         for key in row:
