@@ -68,6 +68,7 @@ from .common import (
     Prompt,
     cache_source,
     client_tls,
+    client_token,
     fetch_prompt,
     format_namespace,
     full_blocks,
@@ -79,6 +80,7 @@ from .common import (
     scope_key,
 )
 from .progress import Sample, TransferProgress, tick
+from .token import relay_authorizer
 
 log = logging.getLogger("kvcs.cli")
 
@@ -169,7 +171,9 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
         cafile=str(args.upstream_ca) if args.upstream_ca else None,
         verify=not args.upstream_insecure,
     )
-    config = RelayConfig(cache_budget_bytes=args.cache_budget)
+    config = RelayConfig(
+        cache_budget_bytes=args.cache_budget, authorizer=relay_authorizer(args)
+    )
     try:
         async with b.serve_relay(
             args.listen,
@@ -181,6 +185,7 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             max_datagram_size=args.datagram_size,
             idle_timeout=args.idle_timeout,
             qlog_dir=qlog,
+            upstream_token=client_token(args),
         ) as server:
             metrics = None
             metrics_url = None
@@ -430,6 +435,13 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         progress.finish(sample())
         nbytes = pub.publisher.total_bytes
         seconds = round(ended[0] - t0, 3)
+        refusal = pub.publisher.attach_refusal(client.session)
+        if refusal is not None:  # e.g. UNAUTHORIZED: the token does not cover this scope
+            code, why = refusal
+            raise CliError(
+                f"the relay refused the publication's PUBLISH_NAMESPACE: {why} (code {code:#x})",
+                Exit.FAILED,
+            )
         extra = {}
         if args.digest:
             # the layers are read once more (one at a time), after the timing
@@ -495,6 +507,7 @@ def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
     return b.connect(
         args.url,
         tls=client_tls(args),
+        token=client_token(args),
         stack=args.stack,
         timeout=args.timeout,
         max_datagram_size=args.datagram_size,
@@ -554,6 +567,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
                 b.connect(
                     url,
                     tls=client_tls(args),
+                    token=client_token(args),
                     timeout=args.timeout,
                     via=client,
                     idle_timeout=args.idle_timeout,

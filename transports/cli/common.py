@@ -40,6 +40,7 @@ from kvcs.transports.quic.groups import single_errors
 from kvcs.transports.quic.qlog import check_qlog_dir
 from kvcs.transports.quic.stack import DEFAULT_STACK, STACKS, StackUnavailable
 from kvcs.transports.quic.tls import TlsConfig, TlsError
+from kvcs_core.auth.cat import token_from_text
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 from kvcs_core.wire.names import TrackNamespace
 
@@ -178,6 +179,42 @@ def add_client_tls_options(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds to wait for the connection (default 10)",
     )
+    add_token_options(p)
+
+
+def add_token_options(p: argparse.ArgumentParser, *, upstream: bool = False) -> None:
+    """``--token TEXT`` / ``--token-file FILE``: the CAT this command presents in its
+    CLIENT_SETUP (a relay: to its ``--upstream``). README "Authorization"."""
+    g = p.add_argument_group("authorization")
+    one = g.add_mutually_exclusive_group()
+    whom = "the upstream relay" if upstream else "the relay"
+    one.add_argument(
+        "--token",
+        metavar="TEXT",
+        help=f"CAT authorization token (base64url, as 'kvcs token issue' prints it) for {whom}",
+    )
+    one.add_argument(
+        "--token-file", type=Path, metavar="FILE", help="file holding the token text"
+    )
+
+
+def client_token(args: argparse.Namespace) -> bytes | None:
+    """The token of ``--token`` / ``--token-file`` (status 2 if not base64url text)."""
+    text = getattr(args, "token", None)
+    what = "--token"
+    path = getattr(args, "token_file", None)
+    if path is not None:
+        what = f"--token-file {path}"
+        try:
+            text = read_file(path).decode("ascii")
+        except UnicodeDecodeError:
+            raise CliError(f"{what}: not base64url text", Exit.USAGE) from None
+    if text is None:
+        return None
+    try:
+        return token_from_text(text)
+    except ValueError as exc:
+        raise CliError(f"{what}: {exc}", Exit.USAGE) from None
 
 
 def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:

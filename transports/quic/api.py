@@ -609,11 +609,13 @@ def open_session(
     reconnect: Backoff | None = None,
     connect_timeout: float = 10.0,
     rand: Callable[[], float] = random.random,
+    token: bytes | None = None,
 ) -> MoqtClient:
     """Start a client connection on ``driver``'s endpoint; the session follows the handshake.
 
     ``reconnect``: open the connection again with this backoff whenever it is lost once
     its session was set up (:mod:`.reconnect`; each attempt has ``connect_timeout`` s).
+    ``token``: a CAT sent in every CLIENT_SETUP of the connection (README "Authorization").
     """
     endpoint = driver.endpoint
 
@@ -624,7 +626,7 @@ def open_session(
             configuration=client_configuration(
                 endpoint, target, tls, max_datagram_size, idle_timeout=idle_timeout
             ),
-            session_config=client_session_config(target),
+            session_config=client_session_config(target, token),
             webtransport=(target.authority, target.path or "/") if target.webtransport else None,
         )
 
