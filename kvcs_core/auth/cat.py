@@ -350,15 +350,18 @@ def token_to_text(token: bytes) -> str:
 
 def token_from_text(text: str) -> bytes:
     """The token octets of its text form (base64url, padding optional; standard base64
-    is accepted too). :class:`ValueError` if it is not base64."""
+    is accepted too). ``ValueError`` if it is not base64."""
     s = "".join(text.split())
     if not s:
         raise ValueError("empty token")
     s = s.replace("+", "-").replace("/", "_").rstrip("=")
     try:
-        return base64.urlsafe_b64decode(s + "=" * (-len(s) % 4))
+        out = base64.b64decode(s + "=" * (-len(s) % 4), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("the token is not base64url text") from None
+    if not out:
+        raise ValueError("empty token")
+    return out
 
 
 def keys_by_kid(keys: Iterable[IssuerKey]) -> dict[bytes, IssuerKey]:

@@ -26,7 +26,7 @@ nothing here runs: the relay is anonymous, exactly as before.
   permitted on it. Another scope's namespaces are never revealed.
 
 REQUEST_UPDATEs are not re-authorized (the request was), and no grant is
-revalidated over time (tokens with ``moqt-reval`` are refused, :mod:`.cat`).
+revalidated over time (tokens with ``moqt-reval`` are refused, :mod:`kvcs_core.auth.cat`).
 """
 
 from __future__ import annotations

@@ -50,13 +50,13 @@ def _token(tmp: Path, name: str, key: Path, *args: str) -> Path:
     return path
 
 
-def _publisher(procs: Procs, name: str, url: str, scope_key: str, token: Path) -> None:
-    pub = procs.start(
+def _publisher(ps: Procs, name: str, url: str, scope_key: str, token: Path) -> None:
+    pub = ps.start(
         name, "publish", url, "-k", *SMALL, "--scope-key", scope_key,
         "--token-file", str(token), "--serve-for", "90", "--json",
     )  # fmt: skip
     first = read_line(pub, START_TIMEOUT, f"{name}'s first line")
-    assert '"publishing"' in first, (first, procs.stderr(name))
+    assert '"publishing"' in first, (first, ps.stderr(name))
 
 
 def _fetch(url: str, scope_key: str, token: Path, *extra: str) -> dict[str, object]:
@@ -75,7 +75,7 @@ def _ls(url: str, *extra: str) -> tuple[int, str, str]:
     return r.returncode, r.stdout, r.stderr
 
 
-def test_a_scope_a_token_is_confined_to_scope_a(procs: Procs, tmp_path: Path) -> None:
+def test_a_scope_a_token_is_confined_to_scope_a(procs: Procs, tmp_path: Path) -> None:  # noqa: F811
     key, pub_keys = _keys(tmp_path)
     tok_a = _token(tmp_path, "a.tok", key, "--scope-key", KEY_A)
     tok_b = _token(tmp_path, "b.tok", key, "--scope-key", KEY_B)
@@ -116,7 +116,7 @@ def test_a_scope_a_token_is_confined_to_scope_a(procs: Procs, tmp_path: Path) ->
     assert r.returncode == 0, (r.stdout, r.stderr)
 
 
-def test_bad_tokens_are_refused_with_their_codes(procs: Procs, tmp_path: Path) -> None:
+def test_bad_tokens_are_refused_with_their_codes(procs: Procs, tmp_path: Path) -> None:  # noqa: F811
     key, pub_keys = _keys(tmp_path)
     _relay, url, _ca = procs.relay("relay", "--auth-keys", str(pub_keys))
     good = _token(tmp_path, "good.tok", key, "--scope-key", KEY_A).read_text().strip()
@@ -148,7 +148,7 @@ def test_bad_tokens_are_refused_with_their_codes(procs: Procs, tmp_path: Path) -
     assert rc == 0, err
 
 
-def test_a_leaf_relay_presents_its_own_token_upstream(procs: Procs, tmp_path: Path) -> None:
+def test_a_leaf_relay_presents_its_own_token_upstream(procs: Procs, tmp_path: Path) -> None:  # noqa: F811
     key, pub_keys = _keys(tmp_path)
     tok_a = _token(tmp_path, "a.tok", key, "--scope-key", KEY_A)
     leaf_tok = _token(

@@ -50,7 +50,7 @@ def client_session_config(url: MoqtUrl, token: bytes | None = None) -> SessionCo
 
 def token_bytes(token: bytes | str | None) -> bytes | None:
     """A token given as octets or as its base64url text (``kvcs token issue`` prints it);
-    :class:`ValueError` for text that is not base64url or an empty token."""
+    ``ValueError`` for text that is not base64url or an empty token."""
     if token is None:
         return None
     if isinstance(token, str):
