@@ -101,6 +101,14 @@ def test_claim_round_trips_through_cbor() -> None:
     assert parse_moqt_claim(cbor2.loads(cbor2.dumps(c.to_cbor()))) == c
 
 
+def test_unknown_actions_grant_nothing_and_are_kept() -> None:
+    """Found by fuzz_cat_token: a scope of unknown actions only must re-encode."""
+    c = parse_moqt_claim([[[99, 4], [b"a"]], [[1000]]])
+    assert c.permits(MoqtAction.SUBSCRIBE, [b"a"], b"t")
+    assert not c.scopes[1].actions and c.scopes[1].unknown_actions == {1000}
+    assert parse_moqt_claim(cbor2.loads(cbor2.dumps(c.to_cbor()))) == c
+
+
 # --- tokens -------------------------------------------------------------------------------
 
 

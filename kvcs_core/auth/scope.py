@@ -105,6 +105,9 @@ class MoqtScope:
     """The namespace match list ended with ``nil``: no longer namespaces."""
     track: Match | None = None
     """``None``: any Track Name."""
+    unknown_actions: frozenset[int] = frozenset()
+    """Action numbers this version does not know: they grant nothing, and are kept so
+    that the claim re-encodes as received."""
 
     def _namespace_ok(self, fields: Sequence[bytes]) -> bool:
         ns = self.namespace
@@ -138,7 +141,7 @@ class MoqtScope:
         return all(m.matches(f) for m, f in zip(ns, prefix, strict=False))
 
     def to_cbor(self) -> list[Any]:
-        out: list[Any] = [sorted(int(a) for a in self.actions)]
+        out: list[Any] = [sorted({int(a) for a in self.actions} | self.unknown_actions)]
         if self.namespace is not None or self.track is not None:
             ns: list[Any] = [m.to_cbor() for m in self.namespace or ()]
             if self.exact_length:
@@ -181,24 +184,26 @@ def _match(raw: Any, what: str) -> Match:
     raise ClaimError(f"{what}: not a bstr or [1|2, bstr] match")
 
 
-def _actions(raw: Any) -> frozenset[MoqtAction]:
+def _actions(raw: Any) -> tuple[frozenset[MoqtAction], frozenset[int]]:
     if not isinstance(raw, list | tuple) or not raw:
         raise ClaimError("scope actions: a non-empty array of integers")
-    out: set[MoqtAction] = set()
+    known: set[MoqtAction] = set()
+    unknown: set[int] = set()
     for a in raw:
         if type(a) is not int:
             raise ClaimError(f"scope action {a!r} is not an integer")
         if a in MoqtAction._value2member_map_:
-            out.add(MoqtAction(a))
-        # an action number we do not know grants nothing we enforce
-    return frozenset(out)
+            known.add(MoqtAction(a))
+        else:
+            unknown.add(a)  # an action number we do not know grants nothing we enforce
+    return frozenset(known), frozenset(unknown)
 
 
 def parse_scope(raw: Any) -> MoqtScope:
     """One ``moqt-scope`` array; :class:`ClaimError` if malformed."""
     if not isinstance(raw, list | tuple) or not 1 <= len(raw) <= 3:
         raise ClaimError("a moqt scope is an array of 1 to 3 elements")
-    actions = _actions(raw[0])
+    actions, unknown = _actions(raw[0])
     namespace: tuple[Match, ...] | None = None
     exact = False
     if len(raw) >= 2:
@@ -213,7 +218,7 @@ def parse_scope(raw: Any) -> MoqtScope:
             items.pop()
         namespace = tuple(_match(m, "namespace match") for m in items)  # nil inside: error
     track = _match(raw[2], "track match") if len(raw) == 3 else None
-    return MoqtScope(actions, namespace, exact, track)
+    return MoqtScope(actions, namespace, exact, track, unknown)
 
 
 def parse_moqt_claim(raw: Any) -> MoqtClaim:
