@@ -152,6 +152,21 @@ def test_sessions_without_a_valid_setup_token_are_closed() -> None:
         assert closed is not None and closed.code == code, (token, closed)
 
 
+def test_a_session_ends_when_its_setup_token_expires() -> None:
+    key = ed25519_key()
+    rn, relay = _net(key)
+    c = _client(rn, relay, scope_token(key, SCOPE_A, now=WALL, expires_in=3))
+    lasting = _client(rn, relay, scope_token(key, SCOPE_A, now=WALL, expires_in=3600))
+    rid = c.subscribe_all(TRACK_A)
+    rn.run_until(lambda: c.accepted(rid), 2.0)
+    assert relay.get_timer() is not None
+    rn.run_until(lambda: _closed(c) is not None, 10.0)
+    closed = _closed(c)
+    assert closed is not None and closed.code == SessionErrorCode.EXPIRED_AUTH_TOKEN
+    assert rn.now >= 2.9  # not before its exp
+    assert _closed(lasting) is None
+
+
 def test_without_an_authorizer_the_relay_stays_anonymous() -> None:
     rn, relay = _net(None)
     c = _client(rn, relay, None)

@@ -25,8 +25,14 @@ nothing here runs: the relay is anonymous, exactly as before.
   track PUBLISHed to a SUBSCRIBE_TRACKS subscriber only if SUBSCRIBE is
   permitted on it. Another scope's namespaces are never revealed.
 
+* **Expiry**: a session lasts as long as the SETUP tokens that admitted it: when
+  the last of them reaches its ``exp``, the relay closes the session with
+  EXPIRED_AUTH_TOKEN (0x18), ending everything it subscribed to or published
+  (:meth:`RelayAuth.deadline` joins the relay's timer).
+
 REQUEST_UPDATEs are not re-authorized (the request was), and no grant is
-revalidated over time (tokens with ``moqt-reval`` are refused, :mod:`kvcs_core.auth.cat`).
+revalidated otherwise (tokens with ``moqt-reval`` are refused,
+:mod:`kvcs_core.auth.cat`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kvcs_core.auth.policy import Authorizer, Decision, SessionGrant
 from kvcs_core.auth.scope import MoqtAction
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.wire.codes import SessionErrorCode
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
 
 ACTIONS: Final[dict[type, MoqtAction]] = {
@@ -61,7 +68,10 @@ class RelayAuth:
         self.authorizer = authorizer
         self._grants: dict[int, SessionGrant] = {}
         """id(session) -> what its SETUP tokens grant (admitted sessions only)."""
+        self._expiry: dict[int, tuple[float, MoqtSession]] = {}
+        """id(session) -> (when its SETUP grant expires, in the relay's time; the session)."""
         self.refused_sessions = 0
+        self.expired_sessions = 0
 
     def admit(self, session: MoqtSession, now: float) -> bool:
         """Check the SETUP tokens; close the session if they do not admit it."""
@@ -76,7 +86,49 @@ class RelayAuth:
                 )
             return False
         self._grants[id(session)] = grant
+        self._schedule(session, grant, now)
         return True
+
+    def _schedule(self, session: MoqtSession, grant: SessionGrant, now: float) -> None:
+        """The session lasts as long as the last of its SETUP tokens that admit it."""
+        ends: list[float] = []
+        for c in grant.claims:
+            if c.moqt is None or not c.moqt.allows_action(MoqtAction.CLIENT_SETUP):
+                continue
+            if c.expires is None:
+                self._expiry.pop(id(session), None)
+                return  # no exp: admitted for as long as it lasts
+            ends.append(c.expires)
+        if ends:
+            left = max(ends) + self.authorizer.leeway - self.authorizer.clock()
+            self._expiry[id(session)] = (now + max(left, 0.0), session)
+
+    def deadline(self) -> float | None:
+        """When the next admitted session's SETUP grant expires (relay time), if any."""
+        return min((at for at, _s in self._expiry.values()), default=None)
+
+    def expire(self, now: float) -> None:
+        """Close the sessions whose SETUP grant has expired with EXPIRED_AUTH_TOKEN (0x18):
+        what they subscribed, published or announced ends with them."""
+        for key, (at, session) in list(self._expiry.items()):
+            if at > now:
+                continue
+            grant = self._grants.get(key)
+            if grant is not None and any(
+                self.authorizer.clock() < (c.expires or 0.0) + self.authorizer.leeway
+                for c in grant.claims
+                if c.moqt is not None and c.moqt.allows_action(MoqtAction.CLIENT_SETUP)
+            ):
+                self._schedule(session, grant, now)  # the wall clock says not yet
+                continue
+            del self._expiry[key]
+            self.expired_sessions += 1
+            if not session.is_closed:
+                session.close(
+                    SessionErrorCode.EXPIRED_AUTH_TOKEN,
+                    "authorization: the session's token expired",
+                    now=now,
+                )
 
     def grant(self, session: MoqtSession) -> SessionGrant | None:
         return self._grants.get(id(session))
@@ -129,6 +181,7 @@ class RelayAuth:
 
     def forget(self, session: MoqtSession) -> None:
         self._grants.pop(id(session), None)
+        self._expiry.pop(id(session), None)
 
 
 __all__ = ["ACTIONS", "RelayAuth"]

@@ -286,6 +286,8 @@ class Relay(Offers):
         self._fire(now)
         if self._hold_until is not None and self._hold_until <= now:
             self._end_hold()
+        if self._auth is not None:
+            self._auth.expire(now)  # sessions whose SETUP token expired (authz docstring)
         self._settle()
 
     def _settle(self) -> None:
@@ -310,6 +312,10 @@ class Relay(Offers):
         deadline = self._deadline()
         if self._hold_until is not None and (deadline is None or self._hold_until < deadline):
             deadline = self._hold_until
+        if self._auth is not None:
+            expiry = self._auth.deadline()
+            if expiry is not None and (deadline is None or expiry < deadline):
+                deadline = expiry
         return deadline
 
     def _advance(self, now: float) -> None:

@@ -54,6 +54,14 @@ async def _scenario(b: ModuleType, certs: Path) -> dict[str, Any]:
                     out[name] = c.pump.close_reason
             except ConnectError as exc:
                 out[name] = str(exc)
+        # a session lasts as long as its SETUP token: closed at its exp
+        short = scope_token(key, SCOPE_A, now=time.time(), expires_in=2)
+        async with b.connect(relay.url, tls=INSECURE, token=short) as c:
+            began = time.monotonic()
+            out["short_connected"] = c.connected
+            await c.driver.wait_for(lambda: c.closed, 10.0)
+            out["short"] = c.pump.close_reason
+            out["short_lasted"] = time.monotonic() - began
     return out
 
 
@@ -74,6 +82,8 @@ def test_connect_with_a_token(loop: str, tmp_path: Path) -> None:
     assert "code 0x2" in out["none"], out
     assert "code 0x18" in out["expired"], out
     assert "code 0x2" in out["stranger"], out
+    assert out["short_connected"] is True and "code 0x18" in out["short"], out
+    assert out["short_lasted"] > 0.5, out
 
 
 def test_a_bad_token_text_is_a_value_error() -> None:
