@@ -56,7 +56,7 @@ from kvcs_core.kvcs.consumer import (
     RetrievalComplete,
 )
 from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
-from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError
+from kvcs_core.kvcs.publisher import AttachState, ManifestSigner, PublisherError
 from kvcs_core.moqt import events as ev
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.wire.names import TrackNamespace
@@ -435,8 +435,18 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         progress.finish(sample())
         nbytes = pub.publisher.total_bytes
         seconds = round(ended[0] - t0, 3)
+        # the relay's answer to the announcement (within --timeout): a refusal (e.g.
+        # UNAUTHORIZED, the token does not cover this scope) fails the command
+        await _wait(
+            b,
+            args.timeout,
+            until=lambda: (
+                client.closed
+                or pub.publisher.attach_state(client.session) is not AttachState.PENDING
+            ),
+        )
         refusal = pub.publisher.attach_refusal(client.session)
-        if refusal is not None:  # e.g. UNAUTHORIZED: the token does not cover this scope
+        if refusal is not None:
             code, why = refusal
             raise CliError(
                 f"the relay refused the publication's PUBLISH_NAMESPACE: {why} (code {code:#x})",
