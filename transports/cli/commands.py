@@ -68,6 +68,7 @@ from .common import (
     Prompt,
     cache_source,
     client_tls,
+    encryption,
     fetch_prompt,
     format_namespace,
     full_blocks,
@@ -362,6 +363,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     key = scope_key(args)
     signer = load_signer(args)
     pub_id = publication_id(args)
+    secure = encryption(args)
     cd = cache.cd
     published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
     async with _connect(b, args) as client:
@@ -373,6 +375,9 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 publication_id=pub_id,
                 signer=signer,
                 deterministic=args.deterministic,
+                encrypt=secure.encrypt,
+                cipher_suite=secure.suite,
+                key_id=secure.key_id,
             )
         except PublisherError as exc:
             raise CliError(f"cannot publish: {exc}", Exit.USAGE) from None
@@ -532,6 +537,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
     tokens = prompt.tokens if args.prompt_tokens is None else prompt.tokens[: args.prompt_tokens]
     key = scope_key(args)
     keys = load_producer_keys(args)
+    secure = encryption(args)
     cd = prompt.cd
     if args.out is not None:  # before any transfer: a name we would not write exactly, or
         try:  # a place that cannot be written
@@ -572,6 +578,8 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             require_authenticity=keys is not None,
             recovery_time_bound=args.recovery_time,
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
+            require_encryption=args.require_encryption,
+            cipher_suite=secure.suite,
         )
         outcome = await follow(b, retrieval, cd.layers, t0, args)
         result = outcome["result"]
@@ -758,6 +766,15 @@ def why_not_found(args: argparse.Namespace, rejected: list[PublicationRejected])
         return "no publication of this prompt was found"
     e = rejected[-1]
     detail = e.detail
+    if e.reason is ManifestRejectReason.NOT_PROTECTED:
+        return (
+            "a publication was found, but it is not encrypted and --require-encryption refuses it"
+        )
+    if e.reason is ManifestRejectReason.DECRYPTION_FAILED:
+        return (
+            "a publication was found, but its manifest did not decrypt (another scope key "
+            f"or --cipher-suite than the publisher's, or tampered in transit): {detail}"
+        )
     if e.reason is ManifestRejectReason.UNSIGNED:
         return (
             "a publication was found, but its manifest is not signed and --producer-key "
