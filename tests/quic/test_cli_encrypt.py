@@ -8,7 +8,8 @@ processes over QUIC on 127.0.0.1 (helpers of ``test_cli_processes``):
 * a consumer with another ``--cipher-suite`` than the publisher's cannot open
   the manifest: exit 1 with one line naming the cause;
 * an unencrypted publication is refused by ``--require-encryption``: exit 1
-  with one line.
+  with one line;
+* inconsistent encryption options exit 2 with one line, before connecting.
 
 Every process is killed by its PID when the test ends (the ``procs`` fixture).
 """
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_cli_processes import (
     CACHE,
     START_TIMEOUT,
     Procs,
     assert_bit_identical,
     fetch_args,
+    kvcs,
     one_error_line,
     procs,  # noqa: F401  (the fixture)
     read_line,
@@ -61,3 +64,19 @@ def test_require_encryption_refuses_an_unencrypted_publication(procs: Procs) -> 
     assert required.returncode == 1
     line = one_error_line(procs.stderr("fetch-required"))
     assert "not encrypted" in line and "--require-encryption" in line, line
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("publish", "--key-id", "3"), "--key-id needs --encrypt"),
+        (("publish", "--cipher-suite", "aes256gcm"), "--cipher-suite needs --encrypt"),
+        (("publish", "--encrypt", "--key-id", "-1"), "--key-id must be 0..2**64-1"),
+        (("fetch", "--cipher-suite", "rot13"), "invalid choice: 'rot13'"),
+    ],
+)
+def test_bad_encryption_options_exit_2_with_one_line(args: tuple[str, ...], words: str) -> None:
+    command, *rest = args
+    done = kvcs(command, "moqt://127.0.0.1:9", *CACHE, "-k", *rest)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert words in one_error_line(done.stderr), done.stderr
