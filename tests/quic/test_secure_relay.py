@@ -2,11 +2,13 @@
 
 1. A publication published with ``encrypt=True`` (each cipher suite) through an
    in-process relay (``serve_relay``) is retrieved bit-identical by a live
-   consumer (SUBSCRIBE, served as the objects arrive) and by a late one (FETCH,
-   served from the relay's cache). The relay's cache is then walked: every
-   cached object carries its Secure Object Key ID, and neither a known Data
-   block nor the model name appears in any cached payload. The same search on
-   an unprotected run finds both, so the search is able to find them.
+   consumer (SUBSCRIBE, served as the objects arrive), one that joins after
+   layer 1 (its fill and subscription, served while the relay is still
+   receiving) and a late one (FETCH, served from the relay's cache). The
+   relay's cache is then walked: every cached object carries its Secure
+   Object Key ID, and neither a known Data block nor the model name appears in
+   any cached payload. The same search on an unprotected run finds both, so
+   the search is able to find them.
 2. A tampering relay, next to an honest one: it flips one ciphertext byte of an
    object, or replays an object's (valid) ciphertext one Group later. The
    consumer is ``kvcs fetch <tamperer> --also <honest> --require-encryption``
@@ -93,6 +95,7 @@ async def _through_relay(tmp: Path, suite: str | None) -> dict[str, Any]:
         b.serve_relay("127.0.0.1:0", tls=tls) as relay,
         b.connect(relay.url, tls=trust, timeout=WAIT) as producer,
         b.connect(relay.url, tls=trust, timeout=WAIT) as live_client,
+        b.connect(relay.url, tls=trust, timeout=WAIT) as mid_client,
     ):
         pub = await producer.publish_cache(
             source.descriptor,
@@ -109,11 +112,19 @@ async def _through_relay(tmp: Path, suite: str | None) -> dict[str, Any]:
         )
         # live: wait until the relay has the data tracks subscribed upstream
         await _until(lambda: len(relay.relay._cache) >= 3, "the live consumer's tracks")
+        mid_dest = KvDestination(cd, TOKENS)
+        mid = None
         for layer in range(cd.layers):
             s = layer_sections(source.k[layer], source.v[layer], cd)
             await pub.put_layer(layer, s.k, s.v, timeout=WAIT)
+            if layer == 1:  # a consumer joining mid-production: fill + live, cut-through
+                mid = mid_client.retrieve_cache(
+                    source.descriptor, key, source.tokens, destinations=mid_dest.buffer, **opts
+                )
         await pub.finish()
         live_done = await live.result(timeout=WAIT)
+        assert mid is not None
+        mid_done = await mid.result(timeout=WAIT)
         async with b.connect(relay.url, tls=trust, timeout=WAIT) as late_client:
             late_dest = KvDestination(cd, TOKENS)
             late = late_client.retrieve_cache(
@@ -124,6 +135,7 @@ async def _through_relay(tmp: Path, suite: str | None) -> dict[str, Any]:
     return {
         "source": source,
         "live": (live_done, same_bits(source, live_dest, TOKENS)),
+        "mid": (mid_done, same_bits(source, mid_dest, TOKENS)),
         "late": (late_done, same_bits(source, late_dest, TOKENS)),
         "cached": cached,
     }
@@ -132,7 +144,7 @@ async def _through_relay(tmp: Path, suite: str | None) -> dict[str, Any]:
 @pytest.mark.parametrize("suite", [None, *sorted(SUITE_NAMES)])
 def test_protected_publication_through_a_relay(tmp_path: Path, suite: str | None) -> None:
     out = asyncio.run(asyncio.wait_for(_through_relay(tmp_path, suite), SCENARIO_TIMEOUT))
-    for name in ("live", "late"):
+    for name in ("live", "mid", "late"):
         done, identical = out[name]
         assert done.complete, (name, done)
         assert identical, name
