@@ -5,7 +5,7 @@ Run from the repository root::
     python3 benchmarks/bench_secure_objects.py [--sizes 4096,32768,262144]
         [--total-mib M] [--mib E2E_MIB] [--repeat R] [--e2e-repeat R2] [--no-e2e]
 
-**Per Object** (``kvcs_core.secure``): for each cipher suite and Object Data
+**Per Object** (``kvcs_core.secobj``): for each cipher suite and Object Data
 size (default 4 KiB, 32 KiB: one Llama block of 16 tokens x 8 KV heads x 128
 x bfloat16, and 256 KiB), ``--total-mib`` of Objects (each its 68-octet KVCS
 header and its Data, passed as two chunks as the publisher does) are
@@ -44,8 +44,8 @@ from kvcs.adapters.cachefile import llama_descriptor, same_bits, synthetic
 from kvcs.adapters.numpy_kv import KvDestination, layer_sections
 from kvcs.transports.quic import asyncio_binding as b
 from kvcs.transports.quic.tls import TlsConfig, self_signed
-from kvcs_core.secure import CipherSuite, SecureObjectKeyring, Unprotected
-from kvcs_core.secure.derive import serialize_names
+from kvcs_core.secobj import CipherSuite, SecureObjectKeyring, Unprotected
+from kvcs_core.secobj.derive import serialize_names
 
 SCOPE = bytes(range(32))
 TRACK = serialize_names([b"kvcs-1", b"bench"], b"k.raw.s0")

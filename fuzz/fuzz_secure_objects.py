@@ -42,14 +42,14 @@ from pathlib import Path
 from fuzzlib import fuzz_main
 
 from kvcs_core.kvcs.protection import ProtectionFailure, Unopened, open_payload
-from kvcs_core.secure import (
+from kvcs_core.secobj import (
     CipherSuite,
     KeyIdError,
     SecureObjectKeyring,
     key_id_properties,
     read_key_id,
 )
-from kvcs_core.secure.derive import serialize_names
+from kvcs_core.secobj.derive import serialize_names
 from kvcs_core.wire.codes import PropertyType
 from kvcs_core.wire.kvp import KeyValuePair
 

@@ -37,7 +37,7 @@ from kvcs_core.kvcs.consumer import (
 from kvcs_core.kvcs.protection import ObjectProtection
 from kvcs_core.kvcs.publisher import KvcsPublisher
 from kvcs_core.moqt.track_store import StoredObject, TrackStore
-from kvcs_core.secure import AeadLimits, CipherSuite, LimitReached, read_key_id
+from kvcs_core.secobj import AeadLimits, CipherSuite, LimitReached, read_key_id
 from kvcs_core.wire.codes import ObjectStatus
 from kvcs_core.wire.names import Location
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcs_core.secure import (
+from kvcs_core.secobj import (
     AeadLimits,
     CipherSuite,
     KeyIdError,
@@ -18,7 +18,7 @@ from kvcs_core.secure import (
     read_key_id,
     suite_from_name,
 )
-from kvcs_core.secure.derive import build_aad, make_nonce, serialize_names
+from kvcs_core.secobj.derive import build_aad, make_nonce, serialize_names
 from kvcs_core.wire.codes import PropertyType
 from kvcs_core.wire.kvp import KeyValuePair, kvps_bytes
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvcs_core.secure import (
+from kvcs_core.secobj import (
     CipherSuite,
     SecureObjectKeyring,
     Unprotected,
@@ -28,7 +28,7 @@ from kvcs_core.secure import (
     suite_params,
     track_base_key,
 )
-from kvcs_core.secure.derive import (
+from kvcs_core.secobj.derive import (
     KEY_LABEL,
     SALT_LABEL,
     hkdf_extract,

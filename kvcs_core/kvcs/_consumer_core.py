@@ -61,7 +61,7 @@ from kvcs_core.kvcs.names import Component, KvcsNamespace
 from kvcs_core.kvcs.protection import Unopened, open_payload
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
-from kvcs_core.secure import SecureObjectKeyring, serialize_full_track_name
+from kvcs_core.secobj import SecureObjectKeyring, serialize_full_track_name
 from kvcs_core.wire.names import FullTrackName, Location
 
 if TYPE_CHECKING:

@@ -90,7 +90,7 @@ from kvcs_core.kvsp.keys import scope_id as compute_scope_id
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
-from kvcs_core.secure import DEFAULT_SUITE, CipherSuite, SecureObjectKeyring
+from kvcs_core.secobj import DEFAULT_SUITE, CipherSuite, SecureObjectKeyring
 from kvcs_core.wire.names import TrackNamespace
 
 _OBJECT_RECEIVED = ev.ObjectReceived

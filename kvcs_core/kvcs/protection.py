@@ -10,7 +10,7 @@ so a relay, which knows only the Scope ID, can neither read nor forge them.
 The plaintext is the whole Object payload (the 68-octet KVCS header and the
 Data, or the manifest payload), taken as separate chunks, never joined by the
 caller. Each protected Object carries the Key ID in its IMMUTABLE_PROPERTIES
-(``kvcs_core.secure.objects``). End of Group and End of Track are status
+(``kvcs_core.secobj.objects``). End of Group and End of Track are status
 Objects without payload and are left as they are. The nonce is the Object's
 (Group ID, Object ID) XOR a salt derived per track and Key ID, and every
 production has its own Publication ID (namespace field 4), so no nonce
@@ -18,7 +18,7 @@ repeats under one key.
 
 *Consumer* (:func:`open_payload`). For each received Normal Object: an Object
 with a Key ID is decrypted with the key derived from the scope key and that
-Key ID (:class:`~kvcs_core.secure.SecureObjectKeyring`); an Object without
+Key ID (:class:`~kvcs_core.secobj.SecureObjectKeyring`); an Object without
 one is used as it is, unless encryption is required. The result is either
 the plaintext payload (a view), verified afterwards exactly as before, or a
 :class:`Unopened` with a :class:`ProtectionFailure` that the consumer turns
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvcs_core.secure import (
+from kvcs_core.secobj import (
     DEFAULT_SUITE,
     AeadLimits,
     CipherSuite,
@@ -45,7 +45,7 @@ from kvcs_core.secure import (
     read_key_id,
     serialize_full_track_name,
 )
-from kvcs_core.secure.aead import Chunk
+from kvcs_core.secobj.aead import Chunk
 from kvcs_core.wire.kvp import KeyValuePairs
 from kvcs_core.wire.names import FullTrackName
 

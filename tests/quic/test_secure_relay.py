@@ -39,7 +39,7 @@ from kvcs.adapters.numpy_kv import KvDestination, layer_sections
 from kvcs.transports.quic import asyncio_binding as b
 from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.moqt import events as ev
-from kvcs_core.secure import SUITE_NAMES, read_key_id
+from kvcs_core.secobj import SUITE_NAMES, read_key_id
 from kvcs_core.wire.codes import ObjectStatus
 from kvcs_core.wire.names import Location
 

@@ -41,7 +41,7 @@ from kvcs.transports.quic.qlog import check_qlog_dir
 from kvcs.transports.quic.stack import DEFAULT_STACK, STACKS, StackUnavailable
 from kvcs.transports.quic.tls import TlsConfig, TlsError
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
-from kvcs_core.secure import DEFAULT_SUITE, SUITE_NAMES, CipherSuite
+from kvcs_core.secobj import DEFAULT_SUITE, SUITE_NAMES, CipherSuite
 from kvcs_core.wire.names import TrackNamespace
 
 log = logging.getLogger("kvcs.cli")

@@ -48,7 +48,7 @@ from kvcs_core.kvcs.publisher import RAW_KV, KvcsPublisher, ManifestSigner, Trac
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
-from kvcs_core.secure import DEFAULT_SUITE, CipherSuite
+from kvcs_core.secobj import DEFAULT_SUITE, CipherSuite
 from kvcs_core.wire.codes import SessionErrorCode
 from kvcs_core.wire.names import TrackNamespace
 

@@ -41,7 +41,7 @@ import struct
 from collections.abc import Iterable
 from typing import Final
 
-from kvcs_core.secure.suites import CipherSuite, suite_params
+from kvcs_core.secobj.suites import CipherSuite, suite_params
 from kvcs_core.wire.names import FullTrackName, encode_namespace, encode_track_name
 from kvcs_core.wire.varint import encode_vi64
 

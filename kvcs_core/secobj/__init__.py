@@ -13,7 +13,7 @@ clock: the nonce is the Object's location XOR a derived salt.
 
 from __future__ import annotations
 
-from kvcs_core.secure.derive import (
+from kvcs_core.secobj.derive import (
     KEY_ID_PROPERTY,
     build_aad,
     derive_key_salt,
@@ -21,7 +21,7 @@ from kvcs_core.secure.derive import (
     serialize_full_track_name,
     track_base_key,
 )
-from kvcs_core.secure.objects import (
+from kvcs_core.secobj.objects import (
     KeyIdError,
     KeyUsage,
     LimitReached,
@@ -33,7 +33,7 @@ from kvcs_core.secure.objects import (
     key_id_properties,
     read_key_id,
 )
-from kvcs_core.secure.suites import (
+from kvcs_core.secobj.suites import (
     DEFAULT_SUITE,
     SUITE_NAMES,
     AeadLimits,

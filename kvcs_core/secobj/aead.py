@@ -30,7 +30,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvcs_core.secure.suites import SuiteParams
+from kvcs_core.secobj.suites import SuiteParams
 
 __all__ = ["Aead", "AuthenticationFailed"]
 

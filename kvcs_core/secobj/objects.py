@@ -46,8 +46,8 @@ from typing import Final
 
 import attrs
 
-from kvcs_core.secure.aead import Aead, AuthenticationFailed, Chunk
-from kvcs_core.secure.derive import (
+from kvcs_core.secobj.aead import Aead, AuthenticationFailed, Chunk
+from kvcs_core.secobj.derive import (
     KEY_ID_PROPERTY,
     aad_property,
     build_aad,
@@ -55,7 +55,7 @@ from kvcs_core.secure.derive import (
     make_nonce,
     track_base_key,
 )
-from kvcs_core.secure.suites import AeadLimits, CipherSuite, SuiteParams, suite_params
+from kvcs_core.secobj.suites import AeadLimits, CipherSuite, SuiteParams, suite_params
 from kvcs_core.wire.codes import PropertyType
 from kvcs_core.wire.errors import CodecError, Incomplete
 from kvcs_core.wire.kvp import KeyValuePair, KeyValuePairs, kvps_bytes, read_kvps
