@@ -37,8 +37,15 @@ from kvcs_core.kvcs.consumer import (
 from kvcs_core.kvcs.protection import ObjectProtection
 from kvcs_core.kvcs.publisher import KvcsPublisher
 from kvcs_core.moqt.track_store import StoredObject, TrackStore
-from kvcs_core.secobj import AeadLimits, CipherSuite, LimitReached, read_key_id
+from kvcs_core.secobj import (
+    AeadLimits,
+    CipherSuite,
+    LimitReached,
+    key_id_properties,
+    read_key_id,
+)
 from kvcs_core.wire.codes import ObjectStatus
+from kvcs_core.wire.kvp import KeyValuePair
 from kvcs_core.wire.names import Location
 
 CD = make_cd(layers=4, kv_heads=2, head_dim=8)
@@ -180,15 +187,36 @@ def _strip(obj: StoredObject) -> tuple[int, bytes, tuple[Any, ...]] | None:
     return obj.group_id, obj.payload_bytes(), ()
 
 
+def _rekey(obj: StoredObject) -> tuple[int, bytes, tuple[Any, ...]] | None:
+    if (obj.group_id, obj.object_id) != (BAD_LAYER, BAD_BLOCK):
+        return None
+    return obj.group_id, obj.payload_bytes(), key_id_properties(9)
+
+
+def _bad_property(obj: StoredObject) -> tuple[int, bytes, tuple[Any, ...]] | None:
+    if (obj.group_id, obj.object_id) != (BAD_LAYER, BAD_BLOCK):
+        return None
+    # IMMUTABLE_PROPERTIES whose only pair runs past its end
+    return obj.group_id, obj.payload_bytes(), (KeyValuePair(0x0B, b"\x03\x09"),)
+
+
 @pytest.mark.parametrize(
-    ("edit", "reason"),
-    [(_flip, DiscardReason.DECRYPTION_FAILED), (_strip, DiscardReason.NOT_PROTECTED)],
-    ids=["flipped-ciphertext", "key-id-removed"],
+    ("edit", "reason", "kw"),
+    [
+        (_flip, DiscardReason.DECRYPTION_FAILED, {}),
+        (_strip, DiscardReason.NOT_PROTECTED, {}),
+        (_rekey, DiscardReason.DECRYPTION_FAILED, {}),  # another Key ID: another key
+        (_rekey, DiscardReason.UNKNOWN_KEY_ID, {"key_ids": [3]}),  # not an accepted Key ID
+        (_bad_property, DiscardReason.UNKNOWN_KEY_ID, {}),
+    ],
+    ids=["flipped-ciphertext", "key-id-removed", "key-id-changed", "key-id-unknown", "malformed"],
 )
-def test_tampered_object_is_discarded_and_recovered(edit: Any, reason: DiscardReason) -> None:
+def test_tampered_object_is_discarded_and_recovered(
+    edit: Any, reason: DiscardReason, kw: dict[str, Any]
+) -> None:
     src = cache()
     bad = server_with(protected(src, PUB_A), "k.raw.s0", edit)
-    client = run(bad, protected(src, PUB_B), src=src, require_encryption=True)
+    client = run(bad, protected(src, PUB_B), src=src, require_encryption=True, **kw)
     discarded = client.of(ObjectDiscarded)
     assert [(d.reason, d.publication_id, d.track, d.layer, d.block) for d in discarded] == [
         (reason, PUB_A, "k.raw.s0", BAD_LAYER, BAD_BLOCK)

@@ -59,6 +59,7 @@ from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
 from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError
 from kvcs_core.moqt import events as ev
 from kvcs_core.relay.config import RelayConfig
+from kvcs_core.secobj import LimitReached
 from kvcs_core.wire.names import TrackNamespace
 
 from .common import (
@@ -417,7 +418,12 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                     sections = layer_sections(k, v, cd, blocks=blocks)
                     del k, v
                     size = sum(memoryview(x).nbytes for x in _kv(sections))
-                    await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+                    try:
+                        await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+                    except LimitReached as exc:  # --encrypt: the key's AEAD limit (secobj)
+                        raise CliError(
+                            f"cannot publish layer {layer}: {exc}", Exit.FAILED
+                        ) from None
                     del sections
                     state["layers"] = layer + 1
                     state["bytes"] += size
