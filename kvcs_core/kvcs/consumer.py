@@ -31,7 +31,10 @@ profile section (each step is described in the module that implements it):
    pattern while a segment is produced, FETCH of layers a..b once it is
    complete, with OBJECTID_FILTER where the peer allows it.
 5. **Verification and recovery** (5.4, ``_retrieval``, ``_recovery``): every
-   Object verified;
+   Object verified (a protected one, KVSP binding 8, is decrypted first with
+   the key of its Key ID, ``protection``: a manifest or Object that does not
+   open, or an unprotected one under ``require_encryption``, is refused like a
+   corrupted one);
    :class:`LayerReady` per layer as soon as it is complete; missing Objects
    retried on another session or publication (never mixing non-deterministic
    publications in a segment), else :class:`RecomputeNeeded` once the recovery

@@ -46,6 +46,13 @@ def test_encrypted_publication_through_a_relay_process(procs: Procs) -> None:  #
         *fetch_args(url, "-k", "--require-encryption", "--cipher-suite", "aes256gcm"),
     )
     assert_bit_identical("fetch-required", required, procs.finish(required), procs)
+    on_trio = procs.start(
+        "fetch-trio",
+        *fetch_args(
+            url, "-k", "--loop", "trio", "--require-encryption", "--cipher-suite", "aes256gcm"
+        ),
+    )
+    assert_bit_identical("fetch-trio", on_trio, procs.finish(on_trio), procs)
     # another suite than the publisher's: the manifest does not decrypt
     wrong = procs.start("fetch-wrong-suite", *fetch_args(url, "-k", "--cipher-suite", "aes128gcm"))
     procs.finish(wrong)
