@@ -365,6 +365,12 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     signer = load_signer(args)
     pub_id = publication_id(args)
     secure = encryption(args)
+    if secure.encrypt and pub_id is not None and not args.deterministic:
+        log.warning(
+            "--encrypt with --publication-id: never reuse a Publication ID for another "
+            "production of other bits under the same --key-id (its objects would be "
+            "encrypted under the same key and nonce)"
+        )
     cd = cache.cd
     published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
     async with _connect(b, args) as client:
