@@ -41,6 +41,7 @@ HARNESSES = (
     "kvcs_names",
     "kvcs_manifest",
     "cachefile",
+    "secure_objects",
 )
 
 _EXECS = re.compile(r"stat::number_of_executed_units:\s*(\d+)")
