@@ -41,6 +41,7 @@ HARNESSES = (
     "kvcs_names",
     "kvcs_manifest",
     "cachefile",
+    "secure_objects",
     "cat_token",
 )
 

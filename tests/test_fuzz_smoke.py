@@ -42,6 +42,7 @@ NAMES = (
     "kvcs_names",
     "kvcs_manifest",
     "cachefile",
+    "secure_objects",
     "cat_token",
 )
 

@@ -64,6 +64,7 @@ from .common import (
     Exit,
     add_cache_options,
     add_client_tls_options,
+    add_encryption_options,
     add_ops_options,
     add_token_options,
     add_transport_options,
@@ -200,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="after publishing, serve S more seconds then exit (default: until interrupted)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_encryption_options(p, producer=True)
     add_client_tls_options(p)
     add_transport_options(p)
     add_ops_options(p)
@@ -254,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: add the SHA-256 of the received K/V sections ('digest')",
     )
     f.add_argument("--json", action="store_true", help="machine-readable output")
+    add_encryption_options(f, producer=False)
     add_client_tls_options(f)
     add_transport_options(f)
     add_ops_options(f)

@@ -59,6 +59,7 @@ from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
 from kvcs_core.kvcs.publisher import AttachState, ManifestSigner, PublisherError
 from kvcs_core.moqt import events as ev
 from kvcs_core.relay.config import RelayConfig
+from kvcs_core.secobj import LimitReached
 from kvcs_core.wire.names import TrackNamespace
 
 from .common import (
@@ -69,6 +70,7 @@ from .common import (
     cache_source,
     client_tls,
     client_token,
+    encryption,
     fetch_prompt,
     format_namespace,
     full_blocks,
@@ -367,6 +369,13 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     key = scope_key(args)
     signer = load_signer(args)
     pub_id = publication_id(args)
+    secure = encryption(args)
+    if secure.encrypt and pub_id is not None and not args.deterministic:
+        log.warning(
+            "--encrypt with --publication-id: never reuse a Publication ID for another "
+            "production of other bits under the same --key-id (its objects would be "
+            "encrypted under the same key and nonce)"
+        )
     cd = cache.cd
     published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
     async with _connect(b, args) as client:
@@ -378,6 +387,9 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 publication_id=pub_id,
                 signer=signer,
                 deterministic=args.deterministic,
+                encrypt=secure.encrypt,
+                cipher_suite=secure.suite,
+                key_id=secure.key_id,
             )
         except PublisherError as exc:
             raise CliError(f"cannot publish: {exc}", Exit.USAGE) from None
@@ -417,7 +429,12 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                     sections = layer_sections(k, v, cd, blocks=blocks)
                     del k, v
                     size = sum(memoryview(x).nbytes for x in _kv(sections))
-                    await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+                    try:
+                        await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+                    except LimitReached as exc:  # --encrypt: the key's AEAD limit (secobj)
+                        raise CliError(
+                            f"cannot publish layer {layer}: {exc}", Exit.FAILED
+                        ) from None
                     del sections
                     state["layers"] = layer + 1
                     state["bytes"] += size
@@ -555,6 +572,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
     tokens = prompt.tokens if args.prompt_tokens is None else prompt.tokens[: args.prompt_tokens]
     key = scope_key(args)
     keys = load_producer_keys(args)
+    secure = encryption(args)
     cd = prompt.cd
     if args.out is not None:  # before any transfer: a name we would not write exactly, or
         try:  # a place that cannot be written
@@ -596,6 +614,8 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             require_authenticity=keys is not None,
             recovery_time_bound=args.recovery_time,
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
+            require_encryption=args.require_encryption,
+            cipher_suite=secure.suite,
         )
         outcome = await follow(b, retrieval, cd.layers, t0, args)
         result = outcome["result"]
@@ -782,6 +802,15 @@ def why_not_found(args: argparse.Namespace, rejected: list[PublicationRejected])
         return "no publication of this prompt was found"
     e = rejected[-1]
     detail = e.detail
+    if e.reason is ManifestRejectReason.NOT_PROTECTED:
+        return (
+            "a publication was found, but it is not encrypted and --require-encryption refuses it"
+        )
+    if e.reason is ManifestRejectReason.DECRYPTION_FAILED:
+        return (
+            "a publication was found, but its manifest did not decrypt (another scope key "
+            f"or --cipher-suite than the publisher's, or tampered in transit): {detail}"
+        )
     if e.reason is ManifestRejectReason.UNSIGNED:
         return (
             "a publication was found, but its manifest is not signed and --producer-key "

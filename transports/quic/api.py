@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvcs_core.kvcs.consumer import (
@@ -43,10 +43,12 @@ from kvcs_core.kvcs.consumer import (
     TrackSelection,
 )
 from kvcs_core.kvcs.cose import VerificationKey
+from kvcs_core.kvcs.protection import ObjectProtection
 from kvcs_core.kvcs.publisher import RAW_KV, KvcsPublisher, ManifestSigner, TrackOffer
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.secobj import DEFAULT_SUITE, CipherSuite
 from kvcs_core.wire.codes import SessionErrorCode
 from kvcs_core.wire.names import TrackNamespace
 
@@ -189,6 +191,9 @@ class MoqtClient:
         offer: Sequence[TrackOffer] = RAW_KV,
         deterministic: bool = False,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        encrypt: bool = False,
+        cipher_suite: CipherSuite | int = DEFAULT_SUITE,
+        key_id: int = 0,
     ) -> CachePublication:
         """Create a publication and announce it on this session (PUBLISH_NAMESPACE); with
         a link (``connect(..., reconnect=...)``), again on every new session.
@@ -207,16 +212,23 @@ class MoqtClient:
                 consumers may mix it with other publications (default false).
             max_queued: object bytes the session may hold queued for subscribers
                 before :meth:`CachePublication.put_layer` waits (default 32 MiB).
+            encrypt: protect every Object, the manifest included, with MOQT Secure
+                Objects keyed from ``scope_key`` (KVSP binding 8), so that relays
+                can neither read nor alter them (default false).
+            cipher_suite: the Secure Objects cipher suite when ``encrypt``
+                (default ``CipherSuite.AES_128_GCM_SHA256_128``).
+            key_id: the Key ID when ``encrypt`` (default 0; a new one rotates keys).
 
         Returns:
             The :class:`CachePublication`; publish each layer with ``put_layer``.
 
         Raises:
             ConnectError: the session is closed (and no reconnection is under way).
-            ValueError: an invalid descriptor, scope key, token, publication ID or
-                offer.
+            ValueError: an invalid descriptor, scope key, token, publication ID,
+                offer, cipher suite or Key ID.
         """
         self._require_open()
+        protection = ObjectProtection(cipher_suite, key_id) if encrypt else None
         pub = KvcsPublisher(
             descriptor,
             scope_key,
@@ -225,6 +237,7 @@ class MoqtClient:
             offer=offer,
             signer=signer,
             deterministic=deterministic,
+            protection=protection,
         )
         self.publications.append(pub)
         if self.connected:
@@ -248,6 +261,9 @@ class MoqtClient:
         layers: range | None = None,
         prefix_lengths: Sequence[int] | None = None,
         config: ConsumerConfig | None = None,
+        require_encryption: bool = False,
+        cipher_suite: CipherSuite | int = DEFAULT_SUITE,
+        key_ids: Collection[int] | None = None,
     ) -> CacheRetrieval:
         """Start retrieving the KV cache of ``tokens`` on this session (and the ``also``
         sessions): discovery, live or completed retrieval, verification, recovery.
@@ -283,6 +299,14 @@ class MoqtClient:
             config: the consumer's bounds and policies
                 (:class:`~kvcs_core.kvcs.consumer.ConsumerConfig`; default: its
                 defaults).
+            require_encryption: refuse Objects and manifests that are not protected
+                with Secure Objects (default false: protected ones are decrypted,
+                unprotected ones used as they are).
+            cipher_suite: the Secure Objects cipher suite of protected publications
+                (default ``CipherSuite.AES_128_GCM_SHA256_128``; not carried on the
+                wire).
+            key_ids: accept only these Key IDs (default ``None``: any, each key
+                derived from ``scope_key``).
 
         Returns:
             The running :class:`CacheRetrieval`.
@@ -308,6 +332,9 @@ class MoqtClient:
             layers=layers,
             prefix_lengths=prefix_lengths,
             config=config or ConsumerConfig(),
+            require_encryption=require_encryption,
+            cipher_suite=cipher_suite,
+            key_ids=key_ids,
         )
         clients = (self, *also)
         handle = ConsumerHandle(consumer, tuple(c.session for c in clients))
