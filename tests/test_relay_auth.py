@@ -104,6 +104,23 @@ def test_scope_a_token_is_confined_to_scope_a() -> None:
     assert relay.stats().refused
 
 
+def test_subscribe_tracks_offers_only_permitted_tracks() -> None:
+    key = ed25519_key()
+    rn, relay = _net(key)
+    c = _client(rn, relay, scope_token(key, SCOPE_A, now=WALL))
+    c.accept_publishes()
+    rid = c.subscribe_tracks(TrackNamespace((b"kvcs-1",)))
+    rn.settle(0.5)
+    assert any(e.request_id == rid for e in c.events(ev.RequestAccepted))
+    offered = {e.track for e in c.events(ev.PublishRequested)}
+    assert offered == {TRACK_A}
+    # a prefix wholly outside the grant is refused outright
+    c2 = _client(rn, relay, scope_token(key, SCOPE_A, now=WALL))
+    other = c2.subscribe_tracks(TrackNamespace((b"kvcs-1", SCOPE_B)))
+    assert _refused(rn, c2, other) == RequestErrorCode.UNAUTHORIZED
+    assert not c2.events(ev.PublishRequested)
+
+
 def test_token_on_a_request_adds_to_the_session_grant() -> None:
     key = ed25519_key()
     rn, relay = _net(key)
