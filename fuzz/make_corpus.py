@@ -141,11 +141,32 @@ def from_strategies(corpus: Corpus, n: int) -> None:
     add_all("params", "gen-kvps", [kvps_bytes(p) for p in draw(sc.kvps(), per_scope)])
 
 
+def write_cat_token_seeds() -> None:
+    """``fuzz/corpus/cat_token``: deterministic tokens and claims (``fuzz_cat_token.seeds``;
+    raw inputs, no split seed, as that harness reads them)."""
+    import fuzz_cat_token  # noqa: PLC0415 - imports the auth stack only when asked
+
+    d = FUZZ_DIR / "corpus" / "cat_token"
+    d.mkdir(parents=True, exist_ok=True)
+    for old in d.glob("*.bin"):
+        old.unlink()
+    bodies = fuzz_cat_token.seeds()
+    for i, body in enumerate(bodies):
+        (d / f"seed-{i:03d}-{hashlib.sha256(body).hexdigest()[:8]}.bin").write_bytes(body)
+    print(f"fuzz/corpus/cat_token: {len(bodies)} files, {sum(map(len, bodies))} bytes")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vectors", type=Path, default=DEFAULT_VECTORS)
     parser.add_argument("--per-harness", type=int, default=30, help="generated seeds per harness")
+    parser.add_argument(
+        "--cat-token-only", action="store_true", help="write only fuzz/corpus/cat_token"
+    )
     args = parser.parse_args(argv)
+    if args.cat_token_only:
+        write_cat_token_seeds()
+        return 0
     if not args.vectors.is_file():
         parser.error(f"no vector file at {args.vectors}")
     corpus = Corpus()
@@ -155,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if total > MAX_TOTAL_BYTES:
         parser.error(f"corpus of {total} bytes exceeds {MAX_TOTAL_BYTES}; lower --per-harness")
     corpus.write()
+    write_cat_token_seeds()
     for harness, files in corpus.files.items():
         size = sum(len(d) for d in files.values())
         print(f"fuzz/corpus/{harness}: {len(files)} files, {size} bytes")

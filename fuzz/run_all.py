@@ -41,6 +41,8 @@ HARNESSES = (
     "kvcs_names",
     "kvcs_manifest",
     "cachefile",
+    "secure_objects",
+    "cat_token",
 )
 
 _EXECS = re.compile(r"stat::number_of_executed_units:\s*(\d+)")

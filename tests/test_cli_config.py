@@ -186,6 +186,8 @@ def test_every_option_of_every_command_can_be_set_both_ways(tmp_path: Path) -> N
             positional = [URL] if command in with_url else []
             if command == "descriptor":
                 positional = ["cache.npz"]
+            if command == "token":
+                positional = ["inspect"]
             toml = f"[{command}]\n{key} = {_toml(option, text)}\n"
             for env, file in (({option.env: text}, None), ({}, toml)):
                 args, sources = parse([command, *positional], env, file, tmp_path)
@@ -224,6 +226,8 @@ def _sample(option: cfg.Option) -> tuple[str, Any]:
         return "2.5", 2.5
     if name == "parse_size":
         return "3MiB", 3 << 20
+    if name == "parse_duration":
+        return "15m", 900.0
     raise AssertionError(f"no sample value for {option.flag} of type {func!r}: add one")
 
 

@@ -42,6 +42,8 @@ NAMES = (
     "kvcs_names",
     "kvcs_manifest",
     "cachefile",
+    "secure_objects",
+    "cat_token",
 )
 
 if str(FUZZ_DIR) not in sys.path:

@@ -58,8 +58,11 @@ from kvcs_core.kvcs._consumer_events import (
 from kvcs_core.kvcs._verify import Refusal
 from kvcs_core.kvcs.manifest import Manifest, ManifestVersions
 from kvcs_core.kvcs.names import Component, KvcsNamespace
+from kvcs_core.kvcs.protection import Unopened, open_payload
+from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
-from kvcs_core.wire.names import Location
+from kvcs_core.secobj import SecureObjectKeyring, serialize_full_track_name
+from kvcs_core.wire.names import FullTrackName, Location
 
 if TYPE_CHECKING:
     from kvcs_core.kvcs.cose import VerificationKey
@@ -373,6 +376,8 @@ class ConsumerCore:
         destinations: Destinations | None,
         codec_value: int,
         data_length: int,
+        keyring: SecureObjectKeyring,
+        require_encryption: bool,
     ) -> None:
         self.config = config
         self.selection = selection
@@ -390,6 +395,10 @@ class ConsumerCore:
         self.data_length = data_length
         self.block_tokens = descriptor.block_tokens
         self.components = selection.components
+        self.keyring = keyring
+        self.require_encryption = require_encryption
+        self._ftns: dict[tuple[bytes, str], bytes] = {}
+        """(publication, track) -> Serialized Full Track Name (Secure Objects key context)."""
 
         self._phase = Phase.DISCOVERING
         self._now = 0.0
@@ -422,6 +431,29 @@ class ConsumerCore:
         """Objects received that were not needed (outside the ranges, or duplicates)."""
 
     # --- small helpers ---------------------------------------------------------------
+
+    def _open_protected(
+        self, pub: Publication, track: str, event: ev.ObjectReceived
+    ) -> memoryview | Unopened:
+        """The plaintext payload of a Normal Object (KVSP binding 8), or why it is refused."""
+        if not event.properties and not self.require_encryption:
+            return event.payload  # in clear, and allowed to be
+        key = (pub.id, track)
+        ftn = self._ftns.get(key)
+        if ftn is None:
+            name = FullTrackName(pub.ns.to_track_namespace(), track.encode("ascii"))
+            ftn = self._ftns[key] = serialize_full_track_name(name)
+        loc = event.location
+        return open_payload(
+            self.keyring,
+            ftn,
+            group_id=loc.group,
+            object_id=loc.object,
+            priority=event.publisher_priority,
+            properties=event.properties,
+            payload=event.payload,
+            require=self.require_encryption,
+        )
 
     def _emit(self, event: ConsumerEvent) -> None:
         self._events.append(event)

@@ -79,6 +79,13 @@ class DiscardReason(enum.IntEnum):
     NOT_LISTED = 4
     """The publication's manifest is signed (authenticated) and marks the Object's segment
     complete without listing its digest: the Object cannot be shown to be the producer's."""
+    DECRYPTION_FAILED = 5
+    """A protected Object did not decrypt (KVSP binding 8): tampered, moved to another
+    Group, Object or track, another key or suite, or its key reached its AEAD limit."""
+    UNKNOWN_KEY_ID = 6
+    """A protected Object's Key ID has no key (or its IMMUTABLE_PROPERTIES are malformed)."""
+    NOT_PROTECTED = 7
+    """Encryption is required and the Object carries no Secure Object Key ID."""
 
 
 class ManifestRejectReason(enum.IntEnum):
@@ -100,6 +107,10 @@ class ManifestRejectReason(enum.IntEnum):
     """The version contradicts an earlier one (``ManifestVersions``)."""
     NO_MANIFEST = 8
     """No manifest arrived (refused, or not within ``manifest_timeout``) on any session."""
+    DECRYPTION_FAILED = 9
+    """A protected manifest did not decrypt, or its Key ID has no key (KVSP binding 8)."""
+    NOT_PROTECTED = 10
+    """Encryption is required and the manifest carries no Secure Object Key ID."""
 
 
 class RecomputeReason(enum.IntEnum):

@@ -57,13 +57,19 @@ from kvcs_core.kvcs._verify import Refusal, open_manifest, parse_and_check
 from kvcs_core.kvcs.cose import DEFAULT_MAX_COSE_BYTES
 from kvcs_core.kvcs.manifest import DEFAULT_MAX_MANIFEST_BYTES, VersionRejected, VersionRejectReason
 from kvcs_core.kvcs.names import MANIFEST_COSE_TRACK, MANIFEST_TRACK, KvcsNamespace, content_prefix
+from kvcs_core.kvcs.protection import ProtectionFailure, Unopened
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.wire import params as p
 from kvcs_core.wire.codes import ObjectStatus, RequestErrorCode
 from kvcs_core.wire.names import TrackNamespace
 
-_RETRY_ELSEWHERE = (ManifestRejectReason.BAD_SIGNATURE, ManifestRejectReason.MALFORMED_MANIFEST)
+_RETRY_ELSEWHERE = (
+    ManifestRejectReason.BAD_SIGNATURE,
+    ManifestRejectReason.MALFORMED_MANIFEST,
+    ManifestRejectReason.DECRYPTION_FAILED,
+    ManifestRejectReason.NOT_PROTECTED,
+)
 """Refusals a relay could have caused: ask the next session before giving up."""
 
 
@@ -416,8 +422,19 @@ class DiscoveryMixin(ConsumerCore):
         latest = pub.versions.latest_group
         if latest is not None and version <= latest:
             return  # the fill and the subscription may both carry a version
+        payload = self._open_protected(
+            pub, MANIFEST_COSE_TRACK if req.signed else MANIFEST_TRACK, event
+        )
+        if isinstance(payload, Unopened):
+            reason = (
+                ManifestRejectReason.NOT_PROTECTED
+                if payload.failure is ProtectionFailure.NOT_PROTECTED
+                else ManifestRejectReason.DECRYPTION_FAILED
+            )
+            self._manifest_refused(pub, version, Refusal(reason, payload.detail), now)
+            return
         opened = open_manifest(
-            event.payload,
+            payload,
             signed=req.signed,
             keys=self.producer_keys,
             require_authenticity=self.require_authenticity,

@@ -65,6 +65,7 @@ from kvcs_core.kvcs._consumer_events import (
 )
 from kvcs_core.kvcs._verify import ObjectVerdict, check_object
 from kvcs_core.kvcs.manifest import Manifest
+from kvcs_core.kvcs.protection import ProtectionFailure, Unopened
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.wire import params as p
@@ -77,6 +78,11 @@ _WANTED = (ObjState.WANTED,)
 # looked up once (an enum member lookup costs more than a global): per-Object paths
 _GAP, _HELD, _READY = ObjState.GAP, ObjState.HELD, ObjState.READY
 _NORMAL = ObjectStatus.NORMAL
+_PROTECTION_REASONS = {
+    ProtectionFailure.DECRYPTION_FAILED: DiscardReason.DECRYPTION_FAILED,
+    ProtectionFailure.UNKNOWN_KEY_ID: DiscardReason.UNKNOWN_KEY_ID,
+    ProtectionFailure.NOT_PROTECTED: DiscardReason.NOT_PROTECTED,
+}
 _SUBSCRIPTION = ev.Delivery.SUBSCRIPTION
 
 
@@ -486,8 +492,13 @@ class RetrievalMixin(ConsumerCore):
         listed = None if group is None or oid >= len(group) else bytes.fromhex(group[oid])
         block_tokens = self.block_tokens
         data_length = self.data_length
+        payload = self._open_protected(req.pub, req.track, event)
+        if isinstance(payload, Unopened):
+            refused = ObjectVerdict(_PROTECTION_REASONS[payload.failure], None, payload.detail)
+            self._on_refused(slot, req, refused, layer, oid, block, now)
+            return
         verdict = check_object(
-            event.payload,
+            payload,
             layer=layer,
             object_id=oid,
             component=req.component,

@@ -33,7 +33,10 @@ profile section (each step is described in the module that implements it):
    pattern while a segment is produced, FETCH of layers a..b once it is
    complete, with OBJECTID_FILTER where the peer allows it.
 5. **Verification and recovery** (5.4, ``_retrieval``, ``_recovery``): every
-   Object verified;
+   Object verified (a protected one, KVSP binding 8, is decrypted first with
+   the key of its Key ID, ``protection``: a manifest or Object that does not
+   open, or an unprotected one under ``require_encryption``, is refused like a
+   corrupted one);
    :class:`LayerReady` per layer as soon as it is complete; missing Objects
    retried on another session or publication (never mixing non-deterministic
    publications in a segment), else :class:`RecomputeNeeded` once the recovery
@@ -47,7 +50,7 @@ each have a timeout.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from kvcs_core.kvcs._consumer_core import (
@@ -99,6 +102,7 @@ from kvcs_core.kvsp.keys import scope_id as compute_scope_id
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.secobj import DEFAULT_SUITE, CipherSuite, SecureObjectKeyring
 from kvcs_core.wire.names import TrackNamespace
 
 _OBJECT_RECEIVED = ev.ObjectReceived
@@ -161,6 +165,12 @@ class KvcsConsumer(IndexSearchMixin, RetrievalMixin, RecoveryMixin):
             found directly: :class:`IndexOptions` (default: stride 1, 0.3 s per
             lookup); None: never (direct discovery only).
         config: bounds and policies.
+        require_encryption: refuse Objects and manifests that are not protected
+            (no Secure Object Key ID; KVSP binding 8). Protected ones are always
+            decrypted, with keys derived from the scope key and their Key ID.
+        cipher_suite: the Secure Objects cipher suite of protected publications
+            (default ``AES_128_GCM_SHA256_128``; it is not carried on the wire).
+        key_ids: accept only these Key IDs (``None``: any, derived on demand).
 
     Raises:
         ValueError: an invalid descriptor, scope key, token, codec name, layer
@@ -184,9 +194,14 @@ class KvcsConsumer(IndexSearchMixin, RetrievalMixin, RecoveryMixin):
         layers: range | None = None,
         prefix_lengths: Sequence[int] | None = None,
         config: ConsumerConfig | None = None,
+        require_encryption: bool = False,
+        cipher_suite: CipherSuite | int = DEFAULT_SUITE,
+        key_ids: Collection[int] | None = None,
         index: IndexOptions | None = IndexOptions(),  # noqa: B008 - frozen
     ) -> None:
         config = config or ConsumerConfig()
+        if type(require_encryption) is not bool:
+            raise ValueError("require_encryption must be a bool")
         selection = tracks or TrackSelection()
         cd = CompatibilityDescriptor(dict(descriptor))
         keys = compute_block_keys(scope_key, cd, tokens)
@@ -210,6 +225,9 @@ class KvcsConsumer(IndexSearchMixin, RetrievalMixin, RecoveryMixin):
             prefixes = tuple(sorted(set(prefix_lengths), reverse=True))
             if not prefixes or prefixes[-1] < 1 or prefixes[0] > len(keys):
                 raise ValueError(f"prefix lengths must be within 1..{len(keys)}")
+        keyring = SecureObjectKeyring.from_scope_key(
+            scope_key, cipher_suite, key_ids=None if key_ids is None else sorted(key_ids)
+        )
         super().__init__(
             config=config,
             selection=selection,
@@ -224,6 +242,8 @@ class KvcsConsumer(IndexSearchMixin, RetrievalMixin, RecoveryMixin):
             destinations=destinations,
             codec_value=int(codec),
             data_length=data_length,
+            keyring=keyring,
+            require_encryption=require_encryption,
         )
         self._check_destinations()
         self._init_index(index)

@@ -53,6 +53,13 @@ is given. Only the latest version is kept: publishing one evicts the one
 before, so the store holds one manifest, and a late subscriber's fill
 (RELATIVE_START 1) gets the latest.
 
+*Protection* (KVSP binding 8, ``protection.py``). With ``protection``, every
+Normal Object of every track, the manifest included, is stored encrypted
+(MOQT Secure Objects, keys from the scope key, one suite and Key ID, carried
+in each Object's IMMUTABLE_PROPERTIES); status Objects are not encrypted. A
+layer is encrypted whole before anything of it is stored, so a key that
+reaches its limit (``LimitReached``) publishes nothing of that layer.
+
 *Segments* (profile 3.3). :meth:`KvcsPublisher.append_tokens` adds the tokens
 of a later pass (chunked prefill): their full blocks (including the tail of
 earlier tokens that they complete) become segment ``n`` with
@@ -128,6 +135,7 @@ from kvcs_core.kvcs._production import (
 )
 from kvcs_core.kvcs.manifest import Manifest
 from kvcs_core.kvcs.names import MANIFEST_COSE_TRACK, MANIFEST_TRACK, KvcsNamespace
+from kvcs_core.kvcs.protection import ObjectProtection, PublicationSealer
 from kvcs_core.kvsp import (
     CompatibilityDescriptor,
     block_keys,
@@ -231,6 +239,8 @@ class KvcsPublisher:
         list_digests: list ``object_digests`` in the manifest (profile 3.6
             SHOULD). Turn off only for caches so large that the manifest would
             pass a consumer's size limit (67 octets per Object and track).
+        protection: encrypt every Object (KVSP binding 8) with this cipher suite
+            and Key ID; ``None``: Objects in clear.
         index_stride: announce KVSP index records (binding 9) for every
             ``index_stride``-th prefix length and the last block; 0: no index.
         index_holder: optional ``"holder"`` member of the records (an MOQT URI).
@@ -252,6 +262,7 @@ class KvcsPublisher:
         deterministic: bool = False,
         manifest_interval: int = MAX_MANIFEST_INTERVAL,
         list_digests: bool = True,
+        protection: ObjectProtection | None = None,
         index_stride: int = 1,
         index_holder: str | None = None,
     ) -> None:
@@ -287,6 +298,11 @@ class KvcsPublisher:
         self._deterministic: Final = deterministic
         self._interval: Final = manifest_interval
         self._list_digests: Final = bool(list_digests)
+        if protection is not None and not isinstance(protection, ObjectProtection):
+            raise PublisherError("protection must be an ObjectProtection or None")
+        self._sealer: Final = (
+            None if protection is None else PublicationSealer(self._scope_key, protection)
+        )
         manifest_name = MANIFEST_COSE_TRACK if signer is not None else MANIFEST_TRACK
         self._manifest_store: Final = TrackStore(
             FullTrackName(self._namespace, manifest_name.encode("ascii")),
@@ -318,6 +334,11 @@ class KvcsPublisher:
         )
 
     # ------------------------------------------------------------------ getters
+
+    @property
+    def protection(self) -> ObjectProtection | None:
+        """How the Objects are protected (``None``: in clear)."""
+        return None if self._sealer is None else self._sealer.protection
 
     @property
     def descriptor(self) -> CompatibilityDescriptor:
@@ -464,10 +485,29 @@ class KvcsPublisher:
         encoded = encode_layer(self._descriptor, seg, layer, k_blocks, v_blocks)
         priority = layer_priority(layer, seg.layers)
         stores = [(self._stores[name.encode("ascii")], encoded[name]) for name in seg.track_names]
+        sealer = self._sealer
+        # encrypt every track's Group before storing any (a key at its limit stores nothing)
+        sealed = (
+            None
+            if sealer is None
+            else [
+                sealer.seal_group(store.name, layer, priority, group.heads, group.datas)
+                for store, group in stores
+            ]
+        )
         # one Group per track in one step (checked once per Group); sessions send after the
         # call, in their scheduler's order (not in the order the stores were filled)
-        for store, group in stores:
-            store.append_group(layer, group.datas, group.heads, publisher_priority=priority)
+        for i, (store, group) in enumerate(stores):
+            if sealed is None or sealer is None:
+                store.append_group(layer, group.datas, group.heads, publisher_priority=priority)
+            else:
+                store.append_group(
+                    layer,
+                    sealed[i],
+                    None,
+                    publisher_priority=priority,
+                    properties=sealer.properties,
+                )
         seg.record_layer(layer, encoded)
         self._layers_since_manifest += 1
         if seg.complete:
@@ -685,7 +725,17 @@ class KvcsPublisher:
         # group, so that a late subscriber's fill (RELATIVE_START 1 = the largest group,
         # profile 5.2) still finds that version; a version's stream is FIN'd when the next
         # version's group starts.
-        store.append(group, 0, payload, publisher_priority=MANIFEST_PRIORITY)
+        if self._sealer is None:
+            store.append(group, 0, payload, publisher_priority=MANIFEST_PRIORITY)
+        else:
+            sealed = self._sealer.seal(store.name, group, 0, MANIFEST_PRIORITY, (payload,))
+            store.append(
+                group,
+                0,
+                sealed,
+                publisher_priority=MANIFEST_PRIORITY,
+                properties=self._sealer.properties,
+            )
         if group:
             # superseded: only the latest version is served to late joiners (queued copies
             # still go out); an evicted version is "unknown", not "does not exist"

@@ -44,6 +44,9 @@ class SessionConfig:
     More -> close TOO_MANY_REQUEST_UPDATES."""
     max_auth_token_cache_size: int = 0
     """MAX_AUTH_TOKEN_CACHE_SIZE we advertise (0: no token aliases)."""
+    setup_tokens: tuple[tuple[int, bytes], ...] = ()
+    """Authorization tokens (Token Type, Token Value) we send in our SETUP, each as
+    USE_VALUE (wire reference 5.3), e.g. a CAT (type 0x01, :mod:`kvcs_core.auth`)."""
 
     setup_timeout: float = 10.0
     """Peer SETUP not received this long after start -> close CONTROL_MESSAGE_TIMEOUT."""

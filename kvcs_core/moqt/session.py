@@ -300,6 +300,9 @@ class MoqtSession(PeerRequests, OwnRequests):
             max_request_updates=cfg.max_request_updates,
             max_auth_token_cache_size=cfg.max_auth_token_cache_size or None,
             moqt_implementation=cfg.implementation,
+            authorization_tokens=tuple(
+                p.AuthorizationToken.use_value(ttype, value) for ttype, value in cfg.setup_tokens
+            ),
         )
         self._control_out = self._out.open_stream(uni=True, priority=0)
         self._out.send(self._control_out, setup)

@@ -203,7 +203,9 @@ class StoredObject:
         return self.head + bytes(self.payload)
 
 
-def _normal_object_builder() -> Callable[[Location, int, memoryview, int, bytes], StoredObject]:
+def _normal_object_builder() -> Callable[
+    [Location, int, memoryview, int, bytes, KeyValuePairs], StoredObject
+]:
     new = object.__new__
     names: tuple[str, ...] = ("location", "subgroup_id", "publisher_priority", "status")
     names += ("properties", "payload", "datagram", "seq", "head")
@@ -213,14 +215,19 @@ def _normal_object_builder() -> Callable[[Location, int, memoryview, int, bytes]
     normal = ObjectStatus.NORMAL
 
     def build(
-        location: Location, priority: int, view: memoryview, number: int, octets: bytes
+        location: Location,
+        priority: int,
+        view: memoryview,
+        number: int,
+        octets: bytes,
+        properties: KeyValuePairs,
     ) -> StoredObject:
         obj: StoredObject = new(StoredObject)
         loc(obj, location)
         sg(obj, 0)
         prio(obj, priority)
         status(obj, normal)
-        props(obj, ())
+        props(obj, properties)
         payload(obj, view)
         dgram(obj, False)
         seq(obj, number)
@@ -231,7 +238,7 @@ def _normal_object_builder() -> Callable[[Location, int, memoryview, int, bytes]
 
 
 _normal_object: Final = _normal_object_builder()
-"""``StoredObject(location, 0, priority, NORMAL, (), payload, False, seq, head)`` for values
+"""``StoredObject(location, 0, priority, NORMAL, properties, payload, False, seq, head)`` for values
 ``append_group`` has checked: the slots are filled directly (the per-Object path)."""
 
 
@@ -666,6 +673,7 @@ class TrackStore:
         *,
         publisher_priority: int | None = None,
         end_of_group: bool = True,
+        properties: Iterable[KeyValuePair] = (),
     ) -> tuple[StoredObject, ...]:
         """Store a whole new group: Objects ``0..n-1`` in subgroup 0, then End of Group.
 
@@ -686,6 +694,8 @@ class TrackStore:
             publisher_priority: one priority for the whole group (subgroup 0);
                 ``None`` = the track's default.
             end_of_group: also store End of Group at Object ID ``n``.
+            properties: the same Object Properties on every Normal Object (e.g. the
+                Secure Object Key ID); End of Group has none.
 
         Returns:
             The stored objects, End of Group included.
@@ -716,6 +726,10 @@ class TrackStore:
             self.default_publisher_priority if publisher_priority is None else publisher_priority,
             "publisher_priority",
         )
+        props = tuple(properties)
+        for pair in props:
+            if not isinstance(pair, KeyValuePair):
+                raise ValueError(f"a property must be a KeyValuePair, not {type(pair).__name__}")
         views: list[memoryview] = []
         for p in payloads:
             if type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.c_contiguous:
@@ -744,7 +758,7 @@ class TrackStore:
                 grp = self._new_group(group_id, prio, oid)  # a listener evicted the group
             view, head = views[oid], head_list[oid]
             loc = trusted(group_id, oid)
-            obj = _normal_object(loc, prio, view, self._next_seq, head)
+            obj = _normal_object(loc, prio, view, self._next_seq, head, props)
             self._next_seq += 1
             grp.ids.append(oid)
             grp.objects[oid] = obj

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvcs_core.auth.policy import Authorizer
 from kvcs_core.wire.names import FullTrackName, Location
 
 
@@ -134,6 +135,11 @@ class RelayConfig:
     group is asked anyway, one per ``transit_stall``: a stalled subscriber holds back no
     other late joiner, and what it holds is bounded by its session's
     ``max_queued_bytes_per_subscription`` (past it: PUBLISH_DONE TOO_FAR_BEHIND)."""
+
+    authorizer: Authorizer | None = attrs.field(default=None, eq=False)
+    """CAT-token authorization of downstream sessions and their requests
+    (:mod:`kvcs_core.relay.authz`); ``None`` (the default): anonymous access, every
+    request served as far as the other limits allow."""
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.upstream_priority <= 255:

@@ -78,6 +78,7 @@ from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import MalformedTrack
 from kvcs_core.moqt.windows import FetchRange, fetch_range
+from kvcs_core.relay.authz import RelayAuth
 from kvcs_core.relay.cache import Cache, CacheEntry, GroupSet, Spans, track_cost
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.routing import Router
@@ -124,6 +125,11 @@ class RelayCore:
         self.config = config or RelayConfig()
         self._cache = Cache(self.config.cache_budget_bytes, self.config.evict_to)
         self._router = Router()
+        auth = self.config.authorizer
+        self._auth = RelayAuth(auth) if auth is not None else None
+        """Authorization of downstream sessions (:mod:`kvcs_core.relay.authz`), if any."""
+        if self._auth is not None:
+            self._router.may_see = self._auth.may_see
         self._peers: dict[MoqtSession, Peer] = {}
         self._tracks: dict[FullTrackName, Track] = {}
         self.refused_for_rate = 0

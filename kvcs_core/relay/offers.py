@@ -155,6 +155,12 @@ class Offers(Upstream):
         rec = session.requests.get(tsub.request_id)
         if session.is_closed or rec is None or rec.state is not RequestState.ESTABLISHED:
             return
+        auth = self._auth
+        if auth is not None and not tsub.peer.upstream and not auth.may_offer(
+            session, tsub.request_id, name
+        ):
+            tsub.excluded[name] = None  # not authorized for it (authz module docstring)
+            return
         if not tsub.filters.matches_track(entry.store.track_properties):
             tsub.excluded[name] = None  # TRACK_PROPERTY_FILTER (wire reference 5.5)
             return

@@ -264,11 +264,14 @@ class Relay(Offers):
             self._advance(now)
         if type(event) is ev.ObjectReceived:  # the hot path: straight into the cache
             self._on_object(peer, event)
-        elif type(event) in _NEW_REQUESTS and self._over_rate(
-            peer,
-            getattr(event, "request_id"),  # noqa: B009 - every request event has one
+        elif type(event) in _NEW_REQUESTS and (
+            self._over_rate(
+                peer,
+                getattr(event, "request_id"),  # noqa: B009 - every request event has one
+            )
+            or not self._authorized(peer, event)
         ):
-            pass  # refused: EXCESSIVE_LOAD with a Retry Interval (RelayConfig.request_rate)
+            pass  # refused: EXCESSIVE_LOAD (RelayConfig.request_rate) or unauthorized
         else:
             handler = self._handlers.get(type(event))
             if handler is not None:
@@ -283,6 +286,8 @@ class Relay(Offers):
         self._fire(now)
         if self._hold_until is not None and self._hold_until <= now:
             self._end_hold()
+        if self._auth is not None:
+            self._auth.expire(now)  # sessions whose SETUP token expired (authz docstring)
         self._settle()
 
     def _settle(self) -> None:
@@ -307,6 +312,10 @@ class Relay(Offers):
         deadline = self._deadline()
         if self._hold_until is not None and (deadline is None or self._hold_until < deadline):
             deadline = self._hold_until
+        if self._auth is not None:
+            expiry = self._auth.deadline()
+            if expiry is not None and (deadline is None or expiry < deadline):
+                deadline = expiry
         return deadline
 
     def _advance(self, now: float) -> None:
@@ -689,7 +698,24 @@ class Relay(Offers):
 
     # ------------------------------------------------------------------ session life
 
+    def _authorized(self, peer: Peer, event: Any) -> bool:
+        """The authorization gate for a new request (:mod:`kvcs_core.relay.authz`);
+        refused: REQUEST_ERROR with the token's code, and the request is forgotten."""
+        auth = self._auth
+        if auth is None or peer.upstream:
+            return True
+        decision = auth.check(peer.session, event, self._now)
+        if decision.allowed:
+            return True
+        rid: int = event.request_id
+        peer.orphans.pop(rid, None)  # objects of a refused PUBLISH go nowhere
+        self._reject(peer, rid, decision.request_error(), decision.detail or "unauthorized")
+        return False
+
     def _on_setup(self, peer: Peer, _e: object) -> None:
+        auth = self._auth
+        if auth is not None and not peer.upstream and not auth.admit(peer.session, self._now):
+            return  # closed: UNAUTHORIZED / MALFORMED_AUTH_TOKEN / EXPIRED_AUTH_TOKEN
         if peer.upstream and peer.usable:
             for sub in self._router.subscriptions():
                 if sub.session is not peer.session:
@@ -772,6 +798,8 @@ class Relay(Offers):
         peer.closed = True
         session = peer.session
         del self._peers[session]
+        if self._auth is not None:
+            self._auth.forget(session)
         self._gone_objects_sent += session.publisher.objects_sent
         self._gone_bytes_sent += session.publisher.payload_bytes_sent
         if session in self._links:

@@ -42,7 +42,7 @@ upstream announces again (no NAMESPACE_DONE flaps downstream).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 
@@ -103,6 +103,9 @@ class Router:
         """id(session) -> PUBLISH_NAMESPACE sources it holds (publishers are not default routes)."""
         self._subs: dict[tuple[int, int], NamespaceSubscription] = {}
         self._upstream: dict[tuple[int, int], UpstreamNamespaceSubscription] = {}
+        self.may_see: Callable[[MoqtSession, int, TrackNamespace], bool] | None = None
+        """Authorization filter on what a downstream subscription is told
+        (:mod:`kvcs_core.relay.authz`); ``None``: everything."""
 
     # --- sources ---------------------------------------------------------------------
 
@@ -200,7 +203,9 @@ class Router:
             for sub in self._subs.values():
                 if not sub.prefix.is_prefix_of(ns):
                     continue
-                want = self._visible(ns, sub.session)
+                want = self._visible(ns, sub.session) and (
+                    self.may_see is None or self.may_see(sub.session, sub.request_id, ns)
+                )
                 if want and ns not in sub.announced:
                     sub.announced.add(ns)
                     out.append((sub, ns, True))

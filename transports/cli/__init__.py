@@ -27,6 +27,9 @@ Subcommands
     The namespaces announced under a prefix (default ``kvcs-1``).
 ``kvcs descriptor CACHE``
     A cache file's compatibility descriptor as JSON (``--tokens-out``: its tokens).
+``kvcs token issue|inspect|keygen``
+    Authorization tokens (CAT-4-MOQT) and issuer keys (:mod:`.token`); ``kvcs relay
+    --auth-keys FILE`` enforces them.
 ``kvcs selfcheck``
     The codec against the MOQT byte vectors (:mod:`.selfcheck`).
 
@@ -55,13 +58,15 @@ from typing import Any
 from kvcs.adapters.cachefile import file_kind
 from kvcs_core.wire.codes import ALPN
 
-from . import commands, config, demo, index_options, model
+from . import commands, config, demo, index_options, model, token
 from .common import (
     CliError,
     Exit,
     add_cache_options,
     add_client_tls_options,
+    add_encryption_options,
     add_ops_options,
+    add_token_options,
     add_transport_options,
     descriptor_command,
     fail,
@@ -158,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     add_transport_options(r)
     add_ops_options(r, relay=True)
+    token.add_relay_auth_options(r)
+    add_token_options(r, upstream=True)
 
     p = sub.add_parser("publish", help="publish a KV cache through a relay", **each)
     p.add_argument("url", metavar="URL", help="moqt://host:port of the relay")
@@ -194,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="after publishing, serve S more seconds then exit (default: until interrupted)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_encryption_options(p, producer=True)
     index_options.add_publish_index_options(p)
     add_client_tls_options(p)
     add_transport_options(p)
@@ -249,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: add the SHA-256 of the received K/V sections ('digest')",
     )
     f.add_argument("--json", action="store_true", help="machine-readable output")
+    add_encryption_options(f, producer=False)
     index_options.add_fetch_index_options(f)
     add_client_tls_options(f)
     add_transport_options(f)
@@ -293,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         "as kvcs fetch --tokens-file reads them",
     )
 
+    token.add_token_command(sub, each)
+
     check = sub.add_parser("selfcheck", help="encode and decode every MOQT byte vector", **each)
     check.add_argument(
         "--vectors",
@@ -324,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with quiet_broken_pipe():
             if args.command == "descriptor":
                 return descriptor_command(args)
+            if args.command == "token":
+                return token.token_command(args)
             if args.command == "selfcheck":
                 if args.vectors is not None and (kind := file_kind(args.vectors)) is not None:
                     return fail(f"--vectors: {args.vectors}: {kind}", Exit.FILE)

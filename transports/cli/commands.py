@@ -56,9 +56,10 @@ from kvcs_core.kvcs.consumer import (
     RetrievalComplete,
 )
 from kvcs_core.kvcs.names import KvcsNameError, KvcsNamespace
-from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError
+from kvcs_core.kvcs.publisher import AttachState, ManifestSigner, PublisherError
 from kvcs_core.moqt import events as ev
 from kvcs_core.relay.config import RelayConfig
+from kvcs_core.secobj import LimitReached
 from kvcs_core.wire.names import TrackNamespace
 
 from . import index_options
@@ -69,6 +70,8 @@ from .common import (
     Prompt,
     cache_source,
     client_tls,
+    client_token,
+    encryption,
     fetch_prompt,
     format_namespace,
     full_blocks,
@@ -80,6 +83,7 @@ from .common import (
     scope_key,
 )
 from .progress import Sample, TransferProgress, tick
+from .token import relay_authorizer
 
 log = logging.getLogger("kvcs.cli")
 
@@ -170,7 +174,9 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
         cafile=str(args.upstream_ca) if args.upstream_ca else None,
         verify=not args.upstream_insecure,
     )
-    config = RelayConfig(cache_budget_bytes=args.cache_budget)
+    config = RelayConfig(
+        cache_budget_bytes=args.cache_budget, authorizer=relay_authorizer(args)
+    )
     try:
         async with b.serve_relay(
             args.listen,
@@ -182,6 +188,7 @@ async def relay(b: ModuleType, args: argparse.Namespace) -> int:
             max_datagram_size=args.datagram_size,
             idle_timeout=args.idle_timeout,
             qlog_dir=qlog,
+            upstream_token=client_token(args),
         ) as server:
             metrics = None
             metrics_url = None
@@ -363,6 +370,13 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     key = scope_key(args)
     signer = load_signer(args)
     pub_id = publication_id(args)
+    secure = encryption(args)
+    if secure.encrypt and pub_id is not None and not args.deterministic:
+        log.warning(
+            "--encrypt with --publication-id: never reuse a Publication ID for another "
+            "production of other bits under the same --key-id (its objects would be "
+            "encrypted under the same key and nonce)"
+        )
     cd = cache.cd
     published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
     index_stride = index_options.publish_index_stride(args)  # checked before connecting
@@ -375,6 +389,9 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 publication_id=pub_id,
                 signer=signer,
                 deterministic=args.deterministic,
+                encrypt=secure.encrypt,
+                cipher_suite=secure.suite,
+                key_id=secure.key_id,
                 index_stride=index_stride,
             )
         except PublisherError as exc:
@@ -415,7 +432,12 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                     sections = layer_sections(k, v, cd, blocks=blocks)
                     del k, v
                     size = sum(memoryview(x).nbytes for x in _kv(sections))
-                    await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+                    try:
+                        await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
+                    except LimitReached as exc:  # --encrypt: the key's AEAD limit (secobj)
+                        raise CliError(
+                            f"cannot publish layer {layer}: {exc}", Exit.FAILED
+                        ) from None
                     del sections
                     state["layers"] = layer + 1
                     state["bytes"] += size
@@ -433,6 +455,23 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         progress.finish(sample())
         nbytes = pub.publisher.total_bytes
         seconds = round(ended[0] - t0, 3)
+        # the relay's answer to the announcement (within --timeout): a refusal (e.g.
+        # UNAUTHORIZED, the token does not cover this scope) fails the command
+        await _wait(
+            b,
+            args.timeout,
+            until=lambda: (
+                client.closed
+                or pub.publisher.attach_state(client.session) is not AttachState.PENDING
+            ),
+        )
+        refusal = pub.publisher.attach_refusal(client.session)
+        if refusal is not None:
+            code, why = refusal
+            raise CliError(
+                f"the relay refused the publication's PUBLISH_NAMESPACE: {why} (code {code:#x})",
+                Exit.FAILED,
+            )
         extra = {}
         if args.digest:
             # the layers are read once more (one at a time), after the timing
@@ -498,6 +537,7 @@ def _connect(b: ModuleType, args: argparse.Namespace) -> Any:
     return b.connect(
         args.url,
         tls=client_tls(args),
+        token=client_token(args),
         stack=args.stack,
         timeout=args.timeout,
         max_datagram_size=args.datagram_size,
@@ -535,6 +575,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
     tokens = prompt.tokens if args.prompt_tokens is None else prompt.tokens[: args.prompt_tokens]
     key = scope_key(args)
     keys = load_producer_keys(args)
+    secure = encryption(args)
     cd = prompt.cd
     if args.out is not None:  # before any transfer: a name we would not write exactly, or
         try:  # a place that cannot be written
@@ -558,6 +599,7 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
                 b.connect(
                     url,
                     tls=client_tls(args),
+                    token=client_token(args),
                     timeout=args.timeout,
                     via=client,
                     idle_timeout=args.idle_timeout,
@@ -576,6 +618,8 @@ async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
             require_authenticity=keys is not None,
             recovery_time_bound=args.recovery_time,
             config=ConsumerConfig(stall_timeout=args.stall_timeout),
+            require_encryption=args.require_encryption,
+            cipher_suite=secure.suite,
             index=index,
         )
         outcome = await follow(b, retrieval, cd.layers, t0, args)
@@ -765,6 +809,15 @@ def why_not_found(args: argparse.Namespace, rejected: list[PublicationRejected])
         return "no publication of this prompt was found"
     e = rejected[-1]
     detail = e.detail
+    if e.reason is ManifestRejectReason.NOT_PROTECTED:
+        return (
+            "a publication was found, but it is not encrypted and --require-encryption refuses it"
+        )
+    if e.reason is ManifestRejectReason.DECRYPTION_FAILED:
+        return (
+            "a publication was found, but its manifest did not decrypt (another scope key "
+            f"or --cipher-suite than the publisher's, or tampered in transit): {detail}"
+        )
     if e.reason is ManifestRejectReason.UNSIGNED:
         return (
             "a publication was found, but its manifest is not signed and --producer-key "

@@ -40,7 +40,9 @@ from kvcs.transports.quic.groups import single_errors
 from kvcs.transports.quic.qlog import check_qlog_dir
 from kvcs.transports.quic.stack import DEFAULT_STACK, STACKS, StackUnavailable
 from kvcs.transports.quic.tls import TlsConfig, TlsError
+from kvcs_core.auth.cat import token_from_text
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
+from kvcs_core.secobj import DEFAULT_SUITE, SUITE_NAMES, CipherSuite
 from kvcs_core.wire.names import TrackNamespace
 
 log = logging.getLogger("kvcs.cli")
@@ -178,6 +180,42 @@ def add_client_tls_options(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds to wait for the connection (default 10)",
     )
+    add_token_options(p)
+
+
+def add_token_options(p: argparse.ArgumentParser, *, upstream: bool = False) -> None:
+    """``--token TEXT`` / ``--token-file FILE``: the CAT this command presents in its
+    CLIENT_SETUP (a relay: to its ``--upstream``). README "Authorization"."""
+    g = p.add_argument_group("authorization")
+    one = g.add_mutually_exclusive_group()
+    whom = "the upstream relay" if upstream else "the relay"
+    one.add_argument(
+        "--token",
+        metavar="TEXT",
+        help=f"CAT authorization token (base64url, as 'kvcs token issue' prints it) for {whom}",
+    )
+    one.add_argument(
+        "--token-file", type=Path, metavar="FILE", help="file holding the token text"
+    )
+
+
+def client_token(args: argparse.Namespace) -> bytes | None:
+    """The token of ``--token`` / ``--token-file`` (status 2 if not base64url text)."""
+    text = getattr(args, "token", None)
+    what = "--token"
+    path = getattr(args, "token_file", None)
+    if path is not None:
+        what = f"--token-file {path}"
+        try:
+            text = read_file(path).decode("ascii")
+        except UnicodeDecodeError:
+            raise CliError(f"{what}: not base64url text", Exit.USAGE) from None
+    if text is None:
+        return None
+    try:
+        return token_from_text(text)
+    except ValueError as exc:
+        raise CliError(f"{what}: {exc}", Exit.USAGE) from None
 
 
 def add_cache_options(p: argparse.ArgumentParser, *, role: str) -> None:
@@ -257,6 +295,64 @@ def add_key_options(p: argparse.ArgumentParser, *, producer: bool) -> None:
         metavar="ID",
         help=f"key ID of the producer key (default {DEFAULT_KID!r})",
     )
+
+
+def add_encryption_options(p: argparse.ArgumentParser, *, producer: bool) -> None:
+    """The "encryption" options (MOQT Secure Objects, KVSP binding 8): ``--encrypt``,
+    ``--key-id`` for a producer, ``--require-encryption`` for a consumer, and
+    ``--cipher-suite`` for both. Keys come from the scope key."""
+    e = p.add_argument_group("encryption (secure objects)")
+    if producer:
+        e.add_argument(
+            "--encrypt",
+            action="store_true",
+            help="encrypt every object, the manifest included, with keys derived from the "
+            "scope key: relays can neither read nor alter them",
+        )
+        e.add_argument(
+            "--key-id",
+            type=int,
+            metavar="N",
+            help="Secure Object Key ID, 0..2**64-1 (default 0; needs --encrypt)",
+        )
+    else:
+        e.add_argument(
+            "--require-encryption",
+            action="store_true",
+            help="refuse objects and manifests that are not encrypted",
+        )
+    e.add_argument(
+        "--cipher-suite",
+        choices=sorted(SUITE_NAMES),
+        metavar="SUITE",
+        help="aes128gcm (default), aes256gcm or aes128ctr-hmac"
+        + ("; needs --encrypt" if producer else ": the suite of encrypted publications"),
+    )
+
+
+@attrs.frozen
+class Encryption:
+    """What the encryption options ask for."""
+
+    encrypt: bool
+    suite: CipherSuite
+    key_id: int
+
+
+def encryption(args: argparse.Namespace) -> Encryption:
+    """The encryption options of ``publish``/``fetch`` (a usage error when inconsistent)."""
+    encrypt = bool(getattr(args, "encrypt", False))
+    key_id = getattr(args, "key_id", None)
+    name = args.cipher_suite
+    if hasattr(args, "encrypt") and not encrypt:
+        given = [o for o, v in (("--key-id", key_id), ("--cipher-suite", name)) if v is not None]
+        if given:
+            verb = "need" if len(given) > 1 else "needs"
+            raise CliError(f"{' and '.join(given)} {verb} --encrypt", Exit.USAGE)
+    if key_id is not None and not 0 <= key_id < 2**64:
+        raise CliError(f"--key-id must be 0..2**64-1, not {key_id}", Exit.USAGE)
+    suite = DEFAULT_SUITE if name is None else SUITE_NAMES[name]
+    return Encryption(encrypt, suite, 0 if key_id is None else key_id)
 
 
 def scope_key(args: argparse.Namespace) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvcs_core.relay.config import RelayConfig
 
-from ._setup import client_endpoint, is_loopback, parse_url, relay_endpoint
+from ._setup import client_endpoint, is_loopback, parse_url, relay_endpoint, token_bytes
 from .api import MoqtClient, RelayServer, open_session
 from .apps import ClientApp
 from .config import DEFAULT_IDLE_TIMEOUT, parse_hostport
@@ -49,6 +49,7 @@ async def relay_server(
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
     qlog_dir: str | os.PathLike[str] | None = None,
+    upstream_token: bytes | str | None = None,
 ) -> AsyncIterator[RelayServer]:
     """A caching relay on ``listen`` (``host:port``), as an async context manager.
 
@@ -56,6 +57,7 @@ async def relay_server(
     (:func:`.asyncio_binding.serve_relay`).
     """
     host, port = parse_hostport(listen)
+    up_token = token_bytes(upstream_token)
     endpoint = relay_endpoint(
         tls=tls,
         stack=stack,
@@ -83,6 +85,7 @@ async def relay_server(
                 idle_timeout=idle_timeout,
                 reconnect=upstream_reconnect,
                 connect_timeout=timeout,
+                token=up_token,
             )
             await parent.wait_ready(timeout)
         yield RelayServer(driver, driver.udp.address, parent)
@@ -103,6 +106,7 @@ async def client_session(
     reconnect: Backoff | None = None,
     bind: str | None = None,
     qlog_dir: str | os.PathLike[str] | None = None,
+    token: bytes | str | None = None,
 ) -> AsyncIterator[MoqtClient]:
     """A MOQT session with the server at ``url``, as an async context manager.
 
@@ -111,6 +115,7 @@ async def client_session(
     server closes during setup, raises :class:`~.api.ConnectError` with the reason.
     """
     target = parse_url(url)
+    setup_token = token_bytes(token)
     addr = await resolve(target.host, target.port)
     async with contextlib.AsyncExitStack() as stack_:
         if via is not None:
@@ -135,6 +140,7 @@ async def client_session(
             idle_timeout=idle_timeout,
             reconnect=reconnect,
             connect_timeout=timeout,
+            token=setup_token,
         )
         try:
             await client.wait_ready(timeout)

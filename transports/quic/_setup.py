@@ -11,6 +11,7 @@ import ipaddress
 import os
 from typing import Any
 
+from kvcs_core.auth.cat import CAT_TOKEN_TYPE, token_from_text
 from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.relay import Relay
@@ -32,16 +33,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def client_session_config(url: MoqtUrl) -> SessionConfig:
+def client_session_config(url: MoqtUrl, token: bytes | None = None) -> SessionConfig:
     """A client session naming the server's authority and path (wire reference 3.1);
-    over WebTransport neither (they travel in the CONNECT request instead)."""
+    over WebTransport neither (they travel in the CONNECT request instead). ``token``:
+    a CAT sent in CLIENT_SETUP (USE_VALUE, Token Type 0x01; README "Authorization")."""
+    tokens = () if token is None else ((CAT_TOKEN_TYPE, token),)
     if url.webtransport:
-        return SessionConfig(role=Role.CLIENT, webtransport=True)
+        return SessionConfig(role=Role.CLIENT, webtransport=True, setup_tokens=tokens)
     return SessionConfig(
         role=Role.CLIENT,
         authority=url.authority.encode(),
         path=url.path.encode() if url.path else None,
+        setup_tokens=tokens,
     )
+
+
+def token_bytes(token: bytes | str | None) -> bytes | None:
+    """A token given as octets or as its base64url text (``kvcs token issue`` prints it);
+    ``ValueError`` for text that is not base64url or an empty token."""
+    if token is None:
+        return None
+    if isinstance(token, str):
+        return token_from_text(token)
+    if not token:
+        raise ValueError("empty token")
+    return bytes(token)
 
 
 def relay_endpoint(
@@ -127,4 +143,5 @@ __all__ = [
     "is_loopback",
     "parse_url",
     "relay_endpoint",
+    "token_bytes",
 ]

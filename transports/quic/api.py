@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvcs_core.kvcs.consumer import (
@@ -44,10 +44,12 @@ from kvcs_core.kvcs.consumer import (
     TrackSelection,
 )
 from kvcs_core.kvcs.cose import VerificationKey
+from kvcs_core.kvcs.protection import ObjectProtection
 from kvcs_core.kvcs.publisher import RAW_KV, KvcsPublisher, ManifestSigner, TrackOffer
 from kvcs_core.moqt import events as ev
 from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
+from kvcs_core.secobj import DEFAULT_SUITE, CipherSuite
 from kvcs_core.wire.codes import SessionErrorCode
 from kvcs_core.wire.names import TrackNamespace
 
@@ -190,6 +192,9 @@ class MoqtClient:
         offer: Sequence[TrackOffer] = RAW_KV,
         deterministic: bool = False,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        encrypt: bool = False,
+        cipher_suite: CipherSuite | int = DEFAULT_SUITE,
+        key_id: int = 0,
         index_stride: int = 1,
     ) -> CachePublication:
         """Create a publication and announce it on this session (PUBLISH_NAMESPACE); with
@@ -209,6 +214,12 @@ class MoqtClient:
                 consumers may mix it with other publications (default false).
             max_queued: object bytes the session may hold queued for subscribers
                 before :meth:`CachePublication.put_layer` waits (default 32 MiB).
+            encrypt: protect every Object, the manifest included, with MOQT Secure
+                Objects keyed from ``scope_key`` (KVSP binding 8), so that relays
+                can neither read nor alter them (default false).
+            cipher_suite: the Secure Objects cipher suite when ``encrypt``
+                (default ``CipherSuite.AES_128_GCM_SHA256_128``).
+            key_id: the Key ID when ``encrypt`` (default 0; a new one rotates keys).
             index_stride: announce KVSP index records (binding 9) for every
                 ``index_stride``-th prefix length and the last block (default 1:
                 every block; 0: no index), signed like the manifest.
@@ -218,10 +229,11 @@ class MoqtClient:
 
         Raises:
             ConnectError: the session is closed (and no reconnection is under way).
-            ValueError: an invalid descriptor, scope key, token, publication ID or
-                offer.
+            ValueError: an invalid descriptor, scope key, token, publication ID,
+                offer, cipher suite or Key ID.
         """
         self._require_open()
+        protection = ObjectProtection(cipher_suite, key_id) if encrypt else None
         pub = KvcsPublisher(
             descriptor,
             scope_key,
@@ -230,6 +242,7 @@ class MoqtClient:
             offer=offer,
             signer=signer,
             deterministic=deterministic,
+            protection=protection,
             index_stride=index_stride,
         )
         self.publications.append(pub)
@@ -254,6 +267,9 @@ class MoqtClient:
         layers: range | None = None,
         prefix_lengths: Sequence[int] | None = None,
         config: ConsumerConfig | None = None,
+        require_encryption: bool = False,
+        cipher_suite: CipherSuite | int = DEFAULT_SUITE,
+        key_ids: Collection[int] | None = None,
         index: IndexOptions | None = IndexOptions(),  # noqa: B008 - frozen
     ) -> CacheRetrieval:
         """Start retrieving the KV cache of ``tokens`` on this session (and the ``also``
@@ -290,6 +306,14 @@ class MoqtClient:
             config: the consumer's bounds and policies
                 (:class:`~kvcs_core.kvcs.consumer.ConsumerConfig`; default: its
                 defaults).
+            require_encryption: refuse Objects and manifests that are not protected
+                with Secure Objects (default false: protected ones are decrypted,
+                unprotected ones used as they are).
+            cipher_suite: the Secure Objects cipher suite of protected publications
+                (default ``CipherSuite.AES_128_GCM_SHA256_128``; not carried on the
+                wire).
+            key_ids: accept only these Key IDs (default ``None``: any, each key
+                derived from ``scope_key``).
             index: the KVSP index search (binding 9) used when the whole prompt is
                 not published: :class:`~kvcs_core.kvcs.consumer.IndexOptions`
                 (default: stride 1, 0.3 s per lookup); ``None``: direct discovery
@@ -320,6 +344,9 @@ class MoqtClient:
             layers=layers,
             prefix_lengths=prefix_lengths,
             config=config or ConsumerConfig(),
+            require_encryption=require_encryption,
+            cipher_suite=cipher_suite,
+            key_ids=key_ids,
             index=index,
         )
         clients = (self, *also)
@@ -622,11 +649,13 @@ def open_session(
     reconnect: Backoff | None = None,
     connect_timeout: float = 10.0,
     rand: Callable[[], float] = random.random,
+    token: bytes | None = None,
 ) -> MoqtClient:
     """Start a client connection on ``driver``'s endpoint; the session follows the handshake.
 
     ``reconnect``: open the connection again with this backoff whenever it is lost once
     its session was set up (:mod:`.reconnect`; each attempt has ``connect_timeout`` s).
+    ``token``: a CAT sent in every CLIENT_SETUP of the connection (README "Authorization").
     """
     endpoint = driver.endpoint
 
@@ -637,7 +666,7 @@ def open_session(
             configuration=client_configuration(
                 endpoint, target, tls, max_datagram_size, idle_timeout=idle_timeout
             ),
-            session_config=client_session_config(target),
+            session_config=client_session_config(target, token),
             webtransport=(target.authority, target.path or "/") if target.webtransport else None,
         )
 

@@ -184,6 +184,7 @@ def serve_relay(
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     upstream_reconnect: Backoff | None = DEFAULT_BACKOFF,
     qlog_dir: str | os.PathLike[str] | None = None,
+    upstream_token: bytes | str | None = None,
 ) -> AbstractAsyncContextManager[RelayServer]:
     """A caching MOQT relay on trio, as an async context manager.
 
@@ -220,6 +221,10 @@ def serve_relay(
         qlog_dir: a directory where each QUIC connection, the upstream link's
             included, writes a qlog file (JSON) through the stack's own logger when
             it ends (:mod:`.qlog`; aioquic and qh3); default ``None``: no qlog.
+        upstream_token: a CAT (octets, or its base64url text) this relay presents in
+            its CLIENT_SETUP to ``upstream`` (README "Authorization"); default
+            ``None``: none. To *enforce* tokens, give ``relay_config`` an
+            :class:`~kvcs_core.auth.policy.Authorizer`.
 
     Returns:
         An async context manager yielding the :class:`~.api.RelayServer`.
@@ -249,6 +254,7 @@ def serve_relay(
         idle_timeout=idle_timeout,
         upstream_reconnect=upstream_reconnect,
         qlog_dir=qlog_dir,
+        upstream_token=upstream_token,
     )
 
 
@@ -264,6 +270,7 @@ def connect(
     reconnect: Backoff | None = None,
     bind: str | None = None,
     qlog_dir: str | os.PathLike[str] | None = None,
+    token: bytes | str | None = None,
 ) -> AbstractAsyncContextManager[MoqtClient]:
     """A MOQT session with a server on trio, as an async context manager.
 
@@ -297,6 +304,9 @@ def connect(
             through the stack's own logger when it ends (:mod:`.qlog`; aioquic and
             qh3; with ``via``, the other client's endpoint decides); default
             ``None``: no qlog.
+        token: a CAT authorization token (octets, or its base64url text as ``kvcs
+            token issue`` prints it) sent in CLIENT_SETUP, and again on each
+            reconnection (README "Authorization"); default ``None``: none.
 
     Returns:
         An async context manager yielding the :class:`~.api.MoqtClient`.
@@ -307,7 +317,7 @@ def connect(
             server closes the session during setup (the message says why).
         TlsError: ``tls`` names a missing or unusable file.
         StackUnavailable: ``stack`` is unknown, not installed, or ``pquic``.
-        ValueError: an invalid ``idle_timeout``.
+        ValueError: an invalid ``idle_timeout``, or a ``token`` that is not base64url.
     """
     return client_session(
         open_endpoint,
@@ -322,6 +332,7 @@ def connect(
         reconnect=reconnect,
         bind=bind,
         qlog_dir=qlog_dir,
+        token=token,
     )
 
 
