@@ -15,8 +15,9 @@ This module is the public, typed API (asyncio). ``import kvcs`` gives:
   trust), :class:`Backoff` (reconnection), :class:`RelayConfig` (the relay's
   bounds), :class:`ConsumerConfig` and :class:`TrackSelection` (a retrieval's
   bounds and tracks), :class:`IndexOptions` (how a retrieval uses the KVSP
-  index to find a publication that only partly shares its prompt), :class:`TrackOffer` (a publication's tracks),
-  :class:`ManifestSigner` (a signed manifest).
+  index to find a publication that only partly shares its prompt),
+  :class:`TrackOffer` (a publication's tracks), :class:`ManifestSigner` (a
+  signed manifest).
 * **The cache**: :class:`CompatibilityDescriptor` (the KVSP descriptor: model,
   layers, heads, dtype, block size); the numpy adapter :func:`layer_sections`
   (engine arrays to K/V sections, zero-copy where it can) and

@@ -293,7 +293,7 @@ def _qh3_more_streams(conn_mod: ModuleType) -> None:
         return core(*args, **kwargs)
 
     core_with_more_streams._kvcs_streams = True  # type: ignore[attr-defined]
-    conn_mod.QuicConnectionCore = core_with_more_streams
+    setattr(conn_mod, "QuicConnectionCore", core_with_more_streams)  # noqa: B010
 
 
 def _aioquic_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any]:
