@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -37,13 +38,16 @@ from typing import Any
 
 import attrs
 import pytest
+from auth_keys import ALL_ACTIONS, claim, ed25519_key
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvcs.adapters.cachefile import CacheFile, llama_descriptor, synthetic
 from kvcs.adapters.numpy_kv import layer_sections
+from kvcs.transports.cli.token import scope_claim
 from kvcs.transports.quic import asyncio_binding as b
 from kvcs.transports.quic.api import MoqtClient
 from kvcs.transports.quic.tls import TlsConfig, self_signed
+from kvcs_core.auth import Authorizer, issue_token
 from kvcs_core.kvcs._verify import unverified_cose_payload
 from kvcs_core.kvcs.consumer import (
     IndexLookupDone,
@@ -56,7 +60,9 @@ from kvcs_core.kvcs.cose import sign_manifest
 from kvcs_core.kvcs.index import IndexRecord, encode_record, parse_record
 from kvcs_core.kvcs.names import Component, KvcsNamespace
 from kvcs_core.kvcs.publisher import ManifestSigner
+from kvcs_core.kvsp.keys import scope_id
 from kvcs_core.moqt import events as ev
+from kvcs_core.relay import RelayConfig
 from kvcs_core.wire.codes import ObjectStatus
 
 LAYERS, TOKENS, BLOCK = 4, 1000, 16
@@ -313,3 +319,42 @@ def test_the_index_is_withdrawn_with_the_publication(tmp_path: Path) -> None:
 
     announced, withdrawn, republished, closed = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert (announced, withdrawn, republished, closed) == (63, 0, 63, 0)
+
+
+def test_the_index_under_authorization(tmp_path: Path) -> None:
+    """A relay that enforces CAT tokens: the claim ``kvcs token issue`` grants covers the
+    scope's index (``kvcs-idx-1``) too, so the publisher's index is accepted and a
+    partial prompt is found through it; a token for the publications alone gets its
+    lookups refused, finds nothing and says so (RecomputeNeeded), nothing else."""
+    tokens, shared = PROMPTS["shares-700-then-differs"]
+    key = ed25519_key()
+    sid = scope_id(SCOPE_KEY)
+    now = time.time()
+    grant = scope_claim(set(ALL_ACTIONS), (b"kvcs-1", sid))
+    full = issue_token(key, grant, now=now, expires_in=600)
+    narrow = issue_token(key, claim((b"kvcs-1", sid)), now=now, expires_in=600)
+
+    async def scenario() -> tuple[int, Got, Got]:
+        tls = self_signed(tmp_path / "tls")
+        trust = TlsConfig(cafile=tls.cafile)
+        config = RelayConfig(authorizer=Authorizer([key.public()], time.time))
+        async with (
+            b.serve_relay("127.0.0.1:0", tls=tls, relay_config=config) as relay,
+            b.connect(relay.url, tls=trust, token=full) as producer,
+        ):
+            pub = await publish(producer)
+            index = pub.publisher.index
+            session = producer.session
+            await producer.driver.wait_for(lambda: index.accepted(session) == 62, WAIT)
+            accepted = index.accepted(session)
+            async with b.connect(relay.url, tls=trust, token=full) as c:
+                allowed = await retrieve(c, tokens)
+            async with b.connect(relay.url, tls=trust, token=narrow) as c:
+                refused = await retrieve(c, tokens)
+        return accepted, allowed, refused
+
+    accepted, allowed, refused = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert accepted == 62
+    check(allowed, tokens, shared)
+    assert refused.blocks == 0 and not refused.complete and refused.verified == 0
+    assert refused.lookups >= 1

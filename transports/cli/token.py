@@ -15,8 +15,10 @@ clock; validation and issuing are the core's.
 * ``kvcs token issue --key FILE (--scope HEX | --scope-key HEX | --scope-key-file F
   | --all-scopes) [--allow publish,subscribe,fetch,discover] [--expires-in 1h]
   [--issuer I]`` prints a token (base64url) granting the listed action groups
-  under ``("kvcs-1", Scope ID)`` (or every ``kvcs-1`` namespace), and always
-  CLIENT_SETUP (:data:`ALLOW`).
+  under ``("kvcs-1", Scope ID)`` (or every ``kvcs-1`` namespace) and the same
+  under ``("kvcs-idx-1", Scope ID)``, the scope's KVSP index (binding 9: one
+  namespace per indexed block, announced by publishers and looked up by
+  consumers), and always CLIENT_SETUP (:data:`ALLOW`).
 * ``kvcs token inspect TOKEN|--token-file F [--key FILE]`` prints the claims as
   JSON; with ``--key`` also whether it verifies now (status 1 if not).
 
@@ -64,6 +66,7 @@ from kvcs_core.auth import (
 )
 from kvcs_core.auth.cat import TokenVerdict
 from kvcs_core.auth.scope import prefix_scope
+from kvcs_core.kvcs.index import INDEX_NAMESPACE_TAG
 from kvcs_core.kvcs.names import KVCS_NAMESPACE_TAG
 from kvcs_core.kvsp.keys import scope_id
 
@@ -279,6 +282,15 @@ def _scope_fields(args: argparse.Namespace) -> tuple[bytes, ...] | None:
     return (KVCS_NAMESPACE_TAG, scope_id(key))
 
 
+def scope_claim(actions: set[MoqtAction], fields: tuple[bytes, ...]) -> MoqtClaim:
+    """The claim ``kvcs token issue`` grants: ``actions`` under ``fields`` (``("kvcs-1",
+    Scope ID)`` or ``("kvcs-1",)``) and under the same fields of the KVSP index
+    (``kvcs-idx-1``), so that publications can announce their index and consumers
+    look it up wherever they may publish and discover."""
+    index = (INDEX_NAMESPACE_TAG, *fields[1:])
+    return MoqtClaim((prefix_scope(actions, fields), prefix_scope(actions, index)))
+
+
 def _actions(text: str) -> set[MoqtAction]:
     out = {MoqtAction.CLIENT_SETUP}
     for word in (w.strip() for w in text.split(",")):
@@ -299,7 +311,7 @@ def _issue(args: argparse.Namespace) -> int:
     try:
         token = issue_token(
             keys[0],
-            MoqtClaim((prefix_scope(actions, fields),)),
+            scope_claim(actions, fields),
             now=time.time(),
             expires_in=args.expires_in,
             issuer=args.issuer,
