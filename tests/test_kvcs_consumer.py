@@ -22,6 +22,8 @@ from kvcs_core.kvcs import _verify
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
     DiscardReason,
+    IndexOptions,
+    IndexSearchDone,
     KvcsConsumer,
     LayerReady,
     ManifestAccepted,
@@ -383,6 +385,20 @@ def test_no_publication_means_recompute() -> None:
     # and the KVSP index (binding 9): a binary search over 1..4 that finds nothing
     assert asked.count(b"kvcs-idx-1") == c.index_lookups == 2  # lengths 2, then 1
     assert c.index_shared_blocks == 0
+
+
+def test_an_index_stride_longer_than_the_prompt_makes_no_lookup() -> None:
+    pair = Pair()
+    cfg = ConsumerConfig(discovery_timeout=0.1)
+    c = consumer(config=cfg, index=IndexOptions(stride=8))  # 4 blocks: no multiple of 8
+    h = Harness(c, pair)
+    done = h.finish()
+    assert (done.blocks, done.complete) == (0, False)
+    asked = [e.prefix.fields[0] for e in server_requests(pair, ev.SubscribeNamespaceRequested)]
+    assert asked == [b"kvcs-1"] * 3 and c.index_lookups == 0
+    assert [e.lookups for e in h.of(IndexSearchDone)] == [0]
+    # the shorter direct prefixes still got their discovery_timeout
+    assert h.at(RecomputeNeeded)[0] >= 2 * cfg.discovery_timeout
 
 
 # --- manifests -----------------------------------------------------------------------------

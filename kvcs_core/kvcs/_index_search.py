@@ -164,8 +164,8 @@ class IndexSearchMixin(DiscoveryMixin):
         self._disc_pos = len(self.prefixes) - 1
         stride = self._index_opts.stride
         if stride > len(self.block_keys):
-            self._end_search(now)
-            return self._index_phase is IndexPhase.RUNNING
+            self._end_search(now)  # no multiple of the stride to look up
+            return True
         self._isearch = PrefixSearch(len(self.block_keys), stride)
         self._next_probe(now)
         return True
