@@ -560,7 +560,9 @@ def test_kvcs_publication_through_the_relay() -> None:
     kpub.attach(origin, now=rn.now)
     rn.net.poke(origin)
     rn.settle(0.02)
-    assert relay.namespaces() == (kpub.namespace,)
+    # the publication, and its KVSP index (binding 9: one namespace per block)
+    assert kpub.index is not None and len(kpub.index.namespaces) == blocks
+    assert set(relay.namespaces()) == {kpub.namespace, *kpub.index.namespaces}
 
     def name(t: str) -> FullTrackName:
         return FullTrackName(kpub.namespace, t.encode())

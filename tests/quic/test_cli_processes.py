@@ -469,6 +469,6 @@ def test_demo_every_consumer_bit_for_bit(loop: str) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line.endswith("bit for bit")]
     names = sorted(line.split()[0] for line in rows)
-    assert names == ["late", "live", "mid", "partial"], r.stdout
+    assert names == ["half", "late", "live", "mid", "partial"], r.stdout
     assert "FAILED" not in r.stdout
     assert "Traceback" not in r.stderr
