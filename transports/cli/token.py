@@ -282,11 +282,13 @@ def _scope_fields(args: argparse.Namespace) -> tuple[bytes, ...] | None:
     return (KVCS_NAMESPACE_TAG, scope_id(key))
 
 
-def scope_claim(actions: set[MoqtAction], fields: tuple[bytes, ...]) -> MoqtClaim:
+def scope_claim(actions: set[MoqtAction], fields: tuple[bytes, ...] | None) -> MoqtClaim:
     """The claim ``kvcs token issue`` grants: ``actions`` under ``fields`` (``("kvcs-1",
     Scope ID)`` or ``("kvcs-1",)``) and under the same fields of the KVSP index
     (``kvcs-idx-1``), so that publications can announce their index and consumers
-    look it up wherever they may publish and discover."""
+    look it up wherever they may publish and discover (``None``: every namespace)."""
+    if fields is None:
+        return MoqtClaim((prefix_scope(actions, None),))
     index = (INDEX_NAMESPACE_TAG, *fields[1:])
     return MoqtClaim((prefix_scope(actions, fields), prefix_scope(actions, index)))
 
