@@ -213,9 +213,11 @@ def test_moqrs_fetch_group(peers: Any, our_relay: Any) -> None:
     fetch ("Internal: 'dropped'") before sending the FETCH, although a FETCH is a request
     of its own that a subscription's end does not cancel (wire reference 4.4)."""
     url = our_relay.url
+    # the publisher stays (--linger) through every fetch attempt below: when it had left
+    # (4 s, under a loaded CI run), its namespace was withdrawn and moq-rs got NotFound
     pub = peers.run(
-        "pub", "aiomoqt_pub.py", "--url", url, *NS_TEXT, *SHAPE, "--linger", "4",
-        "--timeout", "15",
+        "pub", "aiomoqt_pub.py", "--url", url, *NS_TEXT, *SHAPE, "--linger", "40",
+        "--timeout", "60",
     )  # fmt: skip
     assert pub.wait_event("publish_namespace_ok", 10), summary(pub)
     sub = peers.run("sub", "aiomoqt_sub.py", "--url", url, *NS_TEXT, *SHAPE, "--timeout", "10")
