@@ -307,5 +307,5 @@ def test_demo_on_pquic_every_consumer_bit_for_bit(mode: list[str]) -> None:
     r = kvcs("demo", "--tokens", "64", "--stack", "pquic", *mode, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line.endswith("bit for bit")]
-    assert sorted(line.split()[0] for line in rows) == ["late", "live", "mid", "partial"]
+    assert sorted(line.split()[0] for line in rows) == ["half", "late", "live", "mid", "partial"]
     assert "Traceback" not in r.stderr
