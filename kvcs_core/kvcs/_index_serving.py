@@ -35,6 +35,7 @@ from typing import Final
 
 import attrs
 
+from kvcs_core.kvcs._answering import answer_from_store
 from kvcs_core.kvcs._production import ManifestSigner
 from kvcs_core.kvcs.index import (
     IndexRecord,
@@ -47,7 +48,6 @@ from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.requests import RequestState
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.track_store import TrackStore
-from kvcs_core.wire.codes import RequestErrorCode
 from kvcs_core.wire.names import TrackNamespace
 
 _RECORD_PRIORITY: Final = 0
@@ -191,23 +191,11 @@ class IndexAnnouncer:
         event: ev.SubscribeRequested | ev.FetchRequested | ev.TrackStatusRequested,
         now: float,
     ) -> None:
-        session, rid = att.session, event.request_id
-        rec = session.requests.get(rid)
-        if rec is None or rec.state is not RequestState.PENDING:
-            return
-        if event.track.name != store.name.name:
-            session.reject_request(
-                rid, RequestErrorCode.DOES_NOT_EXIST, "no such track in this index", now=now
-            )
-        elif isinstance(event, ev.FetchRequested):
-            session.accept_fetch(rid, store, now=now)
-        elif isinstance(event, ev.TrackStatusRequested):
-            session.accept_track_status(rid, store, now=now)
-        else:
+        held = store if event.track.name == store.name.name else None
+        if answer_from_store(att.session, event, held, "no such track in this index", now):
             # the fill delivers the record; the subscription stays open (the subscriber
             # cancels it) and ends with PUBLISH_DONE only when the index is withdrawn
-            session.accept_subscribe(rid, store, now=now)
-            att.served.add(rid)
+            att.served.add(event.request_id)
 
     def _announce(
         self,

@@ -114,6 +114,7 @@ from typing import Any, Final
 
 import attrs
 
+from kvcs_core.kvcs._answering import answer_from_store
 from kvcs_core.kvcs._index_serving import IndexAnnouncer
 from kvcs_core.kvcs._production import (
     MAX_MANIFEST_INTERVAL,
@@ -154,7 +155,6 @@ from kvcs_core.wire.codes import (
     ObjectStatus,
     PropertyType,
     PublishDoneCode,
-    RequestErrorCode,
 )
 from kvcs_core.wire.kvp import KeyValuePair
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
@@ -751,20 +751,9 @@ class KvcsPublisher:
         now: float,
     ) -> None:
         session, rid = att.session, event.request_id
-        rec = session.requests.get(rid)
-        if rec is None or rec.state is not RequestState.PENDING:
-            return  # cancelled by the peer before we could answer: nothing to do
         store = self._stores.get(event.track.name)
-        if store is None:
-            session.reject_request(
-                rid, RequestErrorCode.DOES_NOT_EXIST, "no such track in this publication", now=now
-            )
-        elif isinstance(event, ev.FetchRequested):
-            session.accept_fetch(rid, store, now=now)
-        elif isinstance(event, ev.TrackStatusRequested):
-            session.accept_track_status(rid, store, now=now)
-        else:
-            session.accept_subscribe(rid, store, now=now)
+        if answer_from_store(session, event, store, "no such track in this publication", now):
+            assert store is not None
             if store.end_of_track is not None:
                 # the track is over: the fill (if asked for) delivers it, then PUBLISH_DONE
                 session.end_subscription(rid, PublishDoneCode.TRACK_ENDED, now=now)
