@@ -882,8 +882,13 @@ def synthetic_layers(descriptor: Mapping[str, Any], tokens: int, seed: int = 1) 
     whole, because numpy's bounded integers and normals draw layer-sized pieces of the
     same stream (an integer piece must hold whole 32-bit draws: where a layer's element
     count does not, the whole cache is made with :func:`synthetic` instead). The
-    generator of V starts where K's ends, so K is drawn twice: once, unused, to reach
-    V's start (CPU, not memory).
+    generator of V starts where K's ends. For integer dtypes drawn over their full
+    range (the usual case: bfloat16 and friends are carried as unsigned integers)
+    nothing is rejected, so K takes exactly ``K's bytes / 8`` 64-bit outputs and V's
+    generator jumps there with ``PCG64.advance`` when that is a whole number and the
+    token IDs left no half-used output behind; otherwise
+    (normals, which reject) K is drawn once, unused, to reach V's start (CPU, not
+    memory).
     """
     cd = CompatibilityDescriptor(dict(descriptor))
     rng = np.random.default_rng(seed)
@@ -893,6 +898,9 @@ def synthetic_layers(descriptor: Mapping[str, Any], tokens: int, seed: int = 1) 
     if dtype.kind == "u" and math.prod(shape) * dtype.itemsize % 4:
         return CacheLayers.of(synthetic(descriptor, tokens, seed))
     state = rng.bit_generator.state  # (a PCG64's: default_rng's bit generator)
+    # whole 32-bit draws, none left over from the token IDs: K's draws are whole 64-bit
+    # outputs that V's generator can jump over (below)
+    jump = dtype.kind == "u" and dtype.itemsize <= 4 and not state["has_uint32"]
 
     def draw(gen: np.random.Generator) -> np.ndarray[Any, Any]:
         if dtype.kind == "u":
@@ -907,8 +915,12 @@ def synthetic_layers(descriptor: Mapping[str, Any], tokens: int, seed: int = 1) 
             bits.state = state  # type: ignore[assignment]
             gens.append(np.random.Generator(bits))
         gk, gv = gens
-        for _ in range(cd.layers):
-            draw(gv)  # K, unused: V's draws start after K's
+        k_bytes = cd.layers * math.prod(shape) * dtype.itemsize
+        if jump and k_bytes % 8 == 0:
+            gv.bit_generator.advance(k_bytes // 8)  # type: ignore[attr-defined]
+        else:
+            for _ in range(cd.layers):
+                draw(gv)  # K, unused: V's draws start after K's
         for _ in range(cd.layers):
             yield draw(gk), draw(gv)
 

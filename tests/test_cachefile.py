@@ -343,6 +343,22 @@ def test_synthetic_layers_are_synthetic_bits(dtype: str, tokens: int) -> None:
     assert np.array_equal(got.v.view(np.uint8), whole.v.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize(("layers", "tokens"), [(3, 1), (4, 1), (3, 12), (4, 12), (2, 13)])
+def test_synthetic_layers_jump_or_draw_to_v(dtype: str, layers: int, tokens: int) -> None:
+    # V's generator reaches V's start by PCG64.advance when K is whole 64-bit outputs and
+    # the token IDs left no half-used one (seed 9: 12 tokens leave none, 1 and 13 leave
+    # one), else by drawing K; 3 layers of 4 bytes per token are not whole outputs.
+    head_dim = 2 if dtype == "bfloat16" else 4
+    desc = llama_descriptor(
+        layers=layers, kv_heads=1, head_dim=head_dim, block_tokens=1, dtype=dtype
+    )
+    whole = synthetic(desc, tokens, 9)
+    got = synthetic_layers(desc, tokens, 9).load()
+    assert np.array_equal(got.k.view(np.uint8), whole.k.view(np.uint8))
+    assert np.array_equal(got.v.view(np.uint8), whole.v.view(np.uint8))
+
+
 def test_synthetic_layers_hold_one_layer(big_cache: CacheFile) -> None:
     layers = synthetic_layers(BIG, 256, 3)
     layer_bytes = _nbytes(big_cache) // BIG["layers"]
