@@ -33,7 +33,8 @@ Figures per configuration (MB = 10**6 bytes):
 * **vs raw**: against a raw pipeline of the same stack and the same hops,
   sender -> forwarder [-> forwarder] -> receiver, each a process driving the
   stack's sans-I/O connection on the project's UDP socket
-  (:mod:`kvcs.transports.quic.udp`, what kvcs uses): the sender writes every
+  (:mod:`kvcs.transports.quic.udp`, what kvcs uses; for pquic, which owns its
+  socket, aiopquic's own asyncio API: ``_raw_pquic.py``): the sender writes every
   (layer, K or V) on its own stream in 32 KiB pieces (at most 1 MiB written and
   unsent, the kvcs pump's bound), each forwarder writes every stream's data on
   to the next hop as it reads it, the receiver places it in a buffer touched
@@ -919,6 +920,8 @@ def raw_unavailable(stack: str) -> str | None:
         s = load_stack(stack)
     except StackUnavailable as exc:
         return str(exc)
+    if stack == "pquic":
+        return None  # its own workers (_raw_pquic.py): aiopquic's asyncio API
     if not hasattr(s, "connection") or not hasattr(s, "datagrams_to_send"):
         return f"{stack} has no sans-I/O connection to drive"
     return None
@@ -1034,6 +1037,11 @@ def main() -> int:
     args.timeout_default = args.timeout is None
     if args.timeout is None:
         args.timeout = 300.0
+    if args.worker in ("raw-send", "raw-recv", "raw-fwd") and args.stack == "pquic":
+        import _raw_pquic  # noqa: PLC0415  (imports aiopquic: only where pquic is asked for)
+
+        _raw_pquic.run(args.worker, args)
+        return 0
     if args.worker == "raw-send":
         raw_sender(args)
         return 0

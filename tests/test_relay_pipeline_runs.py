@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_relay_pipeline.py"
 CONFIGS = ("paced/live/relay", "unpaced/live/tree", "unpaced/late/tree")
@@ -50,3 +52,44 @@ def test_consecutive_runs_complete_bit_identical(tmp_path: Path) -> None:
         assert r["digest"] == r["published_digest"]
         assert r["layers_ready"] == 4
     assert proc.returncode == 0, report
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "stack",
+    [
+        "aioquic",
+        "qh3",
+        pytest.param(
+            "pquic",
+            marks=pytest.mark.skipif(
+                not _importable("aiopquic"),
+                reason="aiopquic is not importable (wheels for Python >= 3.12 only)",
+            ),
+        ),
+    ],
+)
+def test_raw_pipelines_carry_the_bytes(tmp_path: Path, stack: str) -> None:
+    # the benchmark's reference ("vs raw"): sender -> forwarder(s) -> receiver of each
+    # stack (pquic's through aiopquic's own asyncio API) must deliver the sender's bytes
+    out = tmp_path / "raw.json"
+    cmd = [
+        sys.executable, str(BENCH), "--mib", "2", "--layers", "4", "--stacks", stack,
+        "--configs", "unpaced/live/relay,unpaced/live/tree", "--no-aiomoqt",
+        "--timeout", "60", "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    report = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert out.exists(), report
+    raw = {r["hops"]: r for r in json.loads(out.read_text()) if r["kind"] == "raw"}
+    assert sorted(raw) == [1, 2], report
+    for hops, r in raw.items():
+        assert r["ok"] and r["error"] is None, f"{hops} hop(s): {r}\n{report}"
+        assert r["rate"] > 0
