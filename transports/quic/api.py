@@ -491,6 +491,23 @@ class CachePublication:
         self.publisher.finish(now=self.client.driver.now())
         self.client.driver.wake()
 
+    async def withdraw(self) -> None:
+        """Stop offering the publication: withdraw its namespace and index namespaces
+        (PUBLISH_NAMESPACE cancelled), serve no further requests for it, and drop the
+        client's references to it (it is not announced again on a new session), so
+        that its sections can be freed. Relays may still answer from their caches."""
+        client = self.client
+        pub = self.publisher
+        if client.connected:
+            pub.withdraw(now=client.driver.now())
+        else:  # nothing to cancel on a closed session; forget the attachments
+            with contextlib.suppress(Exception):
+                pub.withdraw(now=client.driver.now())
+        if pub in client.publications:
+            client.publications.remove(pub)
+        client.app.publishers[:] = [(p, s) for p, s in client.app.publishers if p is not pub]
+        client.driver.wake()
+
     async def drained(self, timeout: float | None = None) -> None:
         """Wait until nothing is queued for subscribers and QUIC has sent what it was given
         (or the session is gone: nothing can be sent then)."""

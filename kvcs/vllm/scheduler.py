@@ -1,0 +1,129 @@
+"""The scheduler side's question to the relay tree: how many blocks of this prefix are published?
+
+Theory of operation
+-------------------
+``get_num_new_matched_tokens`` must answer at once and never over-promise. The
+answer comes from namespace discovery alone (no data moves): for the prompt's
+candidate blocks ``K_0 .. K_(m-1)`` (KVSP Block Keys from the scope key, the
+descriptor and the token IDs), "some publication shares at least ``j`` blocks"
+holds when the relay announces either
+
+* a publication namespace under ``("kvcs-1", Scope ID, Compatibility ID,
+  K_(j-1))`` (a publication of exactly those ``j`` blocks, profile 5.1), or
+* a KVSP index namespace ``("kvcs-idx-1", Scope ID, Compatibility ID, K_(j-1))``
+  (a publication with at least ``j`` blocks, binding 9; publishers announce one
+  per block by default).
+
+Shared prefixes are nested, so :func:`published_blocks` asks ``j = m`` first (the
+usual hit: the same prompt was prefilled elsewhere) and otherwise binary-searches
+``1 .. m-1``: at most ``1 + ceil(log2 m)`` rounds of two SUBSCRIBE_NAMESPACE
+requests each, every round bounded by the discovery ``quiet`` time. The whole
+lookup is bounded by ``lookup_timeout`` (:class:`Lookup`); a timeout, a lost
+relay or any error answers 0 blocks (a miss: vLLM computes the prompt). The
+answer is a promise the worker side checks: what is loaded is verified object
+by object, and whatever fails to arrive or verify is reported to vLLM for
+recomputation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from kvcs.transports.quic.api import MoqtClient
+from kvcs_core.kvcs.index import index_prefix
+from kvcs_core.kvcs.names import content_prefix
+from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
+from kvcs_core.kvsp.keys import block_keys, scope_id
+
+from ._loop import EventLog, LoopThread
+
+__all__ = ["Lookup", "published_blocks"]
+
+log = logging.getLogger("kvcs.vllm")
+
+QUIET = 0.05
+"""Seconds without a new announcement after the relay answered a SUBSCRIBE_NAMESPACE
+before the listing is taken as complete (a local relay answers in one round trip)."""
+
+
+async def published_blocks(
+    client: MoqtClient,
+    scope_key: bytes,
+    descriptor: CompatibilityDescriptor,
+    tokens: Sequence[int],
+    *,
+    quiet: float = QUIET,
+    timeout: float = 2.0,
+) -> int:
+    """How many leading full blocks of ``tokens`` some publication holds (0: none).
+
+    Raises:
+        ConnectError: the relay refused a request or the session closed.
+    """
+    keys = block_keys(scope_key, descriptor, tokens)
+    if not keys:
+        return 0
+    sid, cid = scope_id(scope_key), descriptor.compat_id
+
+    async def holds(j: int) -> bool:
+        found = await asyncio.gather(
+            client.discover(content_prefix(sid, cid, keys[j - 1]), quiet=quiet, timeout=timeout),
+            client.discover(index_prefix(sid, cid, keys[j - 1]), quiet=quiet, timeout=timeout),
+        )
+        return any(found)
+
+    m = len(keys)
+    if await holds(m):
+        return m
+    lo, hi = 0, m - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if await holds(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Lookup:
+    """``lookup(tokens) -> blocks`` for :class:`~.plan.StepPlanner`, run on the loop thread,
+    bounded by ``lookup_timeout``; every failure is a miss (0)."""
+
+    def __init__(
+        self,
+        loop: LoopThread,
+        descriptor: CompatibilityDescriptor,
+        events: EventLog,
+    ) -> None:
+        self.loop = loop
+        self.descriptor = descriptor
+        self.events = events
+
+    def __call__(self, tokens: Sequence[int]) -> int:
+        s = self.loop.settings
+        t0 = time.monotonic()
+        error = None
+        blocks = 0
+
+        async def ask() -> int:
+            client = await self.loop.client()
+            return await published_blocks(
+                client, s.scope_key, self.descriptor, tokens, timeout=s.lookup_timeout
+            )
+
+        try:
+            blocks = self.loop.call(ask, s.lookup_timeout)
+        except Exception as exc:  # a miss, never an error for vLLM
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("kvcs lookup failed (the prompt is computed): %s", error)
+        self.events(
+            "lookup",
+            tokens=len(tokens),
+            blocks=blocks,
+            ms=round((time.monotonic() - t0) * 1e3, 1),
+            error=error,
+        )
+        return blocks

@@ -1,0 +1,115 @@
+"""One vLLM engine in its own process, for the connector's end-to-end tests and benchmark.
+
+``python engine_proc.py --model DIR --tokens-file T.json [--role kv_producer|kv_consumer|
+kv_both --relay URL --ca PEM --scope-key HEX --event-log PATH] --max-tokens N [--serve]
+[--ttft-runs K]``
+
+Builds ``vllm.LLM`` (CPU: bfloat16, block size 32, eager, prefix caching off so that
+every cached token the scheduler reports is an external one), generates greedily from
+the prompt's token IDs and prints one JSON line: ``{"event": "result", "tokens": [...],
+"num_cached_tokens": n, "generate_s": s}``. With ``--ttft-runs K`` it then times K
+one-token generations of fresh request IDs (the time to first token) and prints
+``{"event": "ttft", "seconds": [...]}``. With ``--serve`` it stays up (a producer keeps
+offering its publication) until a line arrives on stdin or stdin closes, bounded by
+``--serve-for`` seconds. Without ``--role`` the engine has no connector (the recompute
+baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--tokens-file", required=True)
+    p.add_argument("--role")
+    p.add_argument("--relay")
+    p.add_argument("--ca")
+    p.add_argument("--scope-key", default="11" * 32)
+    p.add_argument("--event-log")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--serve", action="store_true")
+    p.add_argument("--serve-for", type=float, default=300.0)
+    p.add_argument("--ttft-runs", type=int, default=0)
+    p.add_argument("--recovery-time", type=float, default=1.0)
+    args = p.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, object] = {}
+    if args.role:
+        extra = {"relay": args.relay, "scope_key": args.scope_key, "recovery_time": args.recovery_time}
+        if args.ca:
+            extra["ca"] = args.ca
+        if args.event_log:
+            extra["event_log"] = args.event_log
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvcsConnector",
+            "kv_connector_module_path": "kvcs.vllm",
+            "kv_role": args.role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    with open(args.tokens_file) as f:
+        tokens = [int(t) for t in json.load(f)]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=512,
+        block_size=32,
+        enforce_eager=True,
+        max_num_seqs=4,
+        enable_prefix_caching=args.prefix_caching,
+        gpu_memory_utilization=0.1,
+        seed=0,
+        **kwargs,
+    )
+    started = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    t1 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+    gen = time.perf_counter() - t1
+    result = {
+        "event": "result",
+        "tokens": list(out[0].outputs[0].token_ids),
+        "num_cached_tokens": out[0].num_cached_tokens,
+        "prompt_tokens": len(tokens),
+        "start_s": round(started, 2),
+        "generate_s": round(gen, 3),
+    }
+    print(json.dumps(result), flush=True)
+    if args.ttft_runs:
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        seconds = []
+        for _ in range(args.ttft_runs):
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": tokens}], one, use_tqdm=False)
+            seconds.append(round(time.perf_counter() - t, 4))
+        print(json.dumps({"event": "ttft", "seconds": seconds}), flush=True)
+    if args.serve:
+        import select
+
+        deadline = time.monotonic() + args.serve_for
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([sys.stdin], [], [], 0.5)
+            if ready:
+                break
+    print(json.dumps({"event": "exit"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
