@@ -81,6 +81,7 @@ KEYS: Final = (
     "model_id",
     "revision",
     "lookup_timeout",
+    "lookup_quiet",
     "load_timeout",
     "recovery_time",
     "connect_timeout",
@@ -105,7 +106,8 @@ class ConnectorSettings:
     encrypt: bool = False
     model_id: str | None = None
     revision: str | None = None
-    lookup_timeout: float = 2.0
+    lookup_timeout: float = 5.0
+    lookup_quiet: float = 0.25
     load_timeout: float = 30.0
     recovery_time: float = 1.0
     connect_timeout: float = 10.0
@@ -250,7 +252,8 @@ def parse_settings(kv_role: str | None, extra: Mapping[str, Any] | None) -> Conn
         encrypt=_flag(extra, "encrypt"),
         model_id=_text(extra, "model_id"),
         revision=_text(extra, "revision"),
-        lookup_timeout=_seconds(extra, "lookup_timeout", 2.0),
+        lookup_timeout=_seconds(extra, "lookup_timeout", 5.0),
+        lookup_quiet=_seconds(extra, "lookup_quiet", 0.25),
         load_timeout=_seconds(extra, "load_timeout", 30.0),
         recovery_time=_seconds(extra, "recovery_time", 1.0),
         connect_timeout=_seconds(extra, "connect_timeout", 10.0),

@@ -12,9 +12,11 @@ so it is tested with plain data):
 * **lookup.** Only full blocks are loaded, and never the prompt's last token
   (vLLM must compute at least one token to sample from): the candidates are the
   first ``(len(prompt) - 1) // B`` blocks. The ``lookup`` callable (the relay
-  query, :mod:`.scheduler`) answers how many of them are published; the answer is
-  kept per request (vLLM asks again when it cannot schedule a request yet) and
-  the engine is told ``found * B - num_computed`` tokens, or 0.
+  query, :mod:`.scheduler`) starts the question and returns a future of how many
+  of them are published; until it is answered the engine is told ``None`` ("ask
+  again later": vLLM skips the request this step and keeps scheduling the
+  others), so the scheduler loop never waits for the network. The answer is kept
+  per request and the engine is told ``found * B - num_computed`` tokens, or 0.
 * **load.** After allocation, the request's next step carries a :class:`LoadSpec`:
   the tokens of the published prefix, the first block not already computed
   locally, and the vLLM block IDs of blocks ``0 .. found-1`` (from the scheduled
@@ -31,6 +33,7 @@ so it is tested with plain data):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import attrs
 
@@ -97,20 +100,24 @@ class _Saving:
 class StepPlanner:
     """The scheduler side's per-request bookkeeping (see the module docstring)."""
 
-    def __init__(self, role: Role, block_tokens: int, lookup: Callable[[Sequence[int]], int]) -> None:
+    def __init__(
+        self, role: Role, block_tokens: int, lookup: Callable[[Sequence[int]], Future[int]]
+    ) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, not {block_tokens}")
         self.role = role
         self.block_tokens = block_tokens
         self._lookup = lookup
+        self._asked: dict[str, tuple[tuple[int, ...], Future[int]]] = {}
         self._found: dict[str, tuple[tuple[int, ...], int]] = {}
         self._to_load: dict[str, tuple[tuple[int, ...], int]] = {}
         self._saving: dict[str, _Saving] = {}
 
     # -- get_num_new_matched_tokens / update_state_after_alloc
 
-    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int:
-        """External tokens beyond ``num_computed`` that can be loaded (0: none)."""
+    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int | None:
+        """External tokens beyond ``num_computed`` that can be loaded (0: none; ``None``:
+        the lookup is still running, ask again)."""
         if not self.role.loads:
             return 0
         b = self.block_tokens
@@ -118,8 +125,17 @@ class StepPlanner:
         if usable <= num_computed // b:
             return 0
         if req_id not in self._found:
-            prefix = tuple(int(t) for t in prompt[: usable * b])
-            found = min(max(int(self._lookup(prefix)), 0), usable)
+            if req_id not in self._asked:
+                prefix = tuple(int(t) for t in prompt[: usable * b])
+                self._asked[req_id] = (prefix, self._lookup(prefix))
+            prefix, future = self._asked[req_id]
+            if not future.done():
+                return None
+            del self._asked[req_id]
+            try:
+                found = min(max(int(future.result()), 0), usable)
+            except Exception:  # a lookup that failed is a miss
+                found = 0
             self._found[req_id] = (prefix[: found * b], found)
         _, found = self._found[req_id]
         return max(found * b - num_computed, 0)
@@ -179,13 +195,13 @@ class StepPlanner:
 
     def finished(self, req_id: str) -> None:
         """The request is over: forget it."""
-        for table in (self._found, self._to_load, self._saving):
+        for table in (self._asked, self._found, self._to_load, self._saving):
             table.pop(req_id, None)
 
     @property
     def tracked(self) -> int:
         """Requests with state here (for tests: it must return to 0)."""
         keys: set[str] = set()
-        for table in (self._found, self._to_load, self._saving):
+        for table in (self._asked, self._found, self._to_load, self._saving):
             keys.update(table)
         return len(keys)

@@ -17,9 +17,12 @@ holds when the relay announces either
 Shared prefixes are nested, so :func:`published_blocks` asks ``j = m`` first (the
 usual hit: the same prompt was prefilled elsewhere) and otherwise binary-searches
 ``1 .. m-1``: at most ``1 + ceil(log2 m)`` rounds of two SUBSCRIBE_NAMESPACE
-requests each, every round bounded by the discovery ``quiet`` time. The whole
-lookup is bounded by ``lookup_timeout`` (:class:`Lookup`); a timeout, a lost
+requests each. A round ends at the first announcement (a hit: one round trip)
+or ``lookup_quiet`` seconds after the relay answered without one (a miss). The
+whole lookup is bounded by ``lookup_timeout`` (:class:`Lookup`); a timeout, a lost
 relay or any error answers 0 blocks (a miss: vLLM computes the prompt). The
+lookup runs on the loop thread; the scheduler is told "ask again later" until it
+is answered (:mod:`.plan`). The
 answer is a promise the worker side checks: what is loaded is verified object
 by object, and whatever fails to arrive or verify is reported to vLLM for
 recomputation.
@@ -28,6 +31,7 @@ recomputation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -44,9 +48,10 @@ __all__ = ["Lookup", "published_blocks"]
 
 log = logging.getLogger("kvcs.vllm")
 
-QUIET = 0.05
-"""Seconds without a new announcement after the relay answered a SUBSCRIBE_NAMESPACE
-before the listing is taken as complete (a local relay answers in one round trip)."""
+QUIET = 0.25
+"""Seconds without an announcement after the relay answered a SUBSCRIBE_NAMESPACE before
+the answer is taken as "none" (a relay in a tree may answer before its upstream has
+announced); a hit returns at its first announcement."""
 
 
 async def published_blocks(
@@ -69,11 +74,24 @@ async def published_blocks(
     sid, cid = scope_id(scope_key), descriptor.compat_id
 
     async def holds(j: int) -> bool:
-        found = await asyncio.gather(
-            client.discover(content_prefix(sid, cid, keys[j - 1]), quiet=quiet, timeout=timeout),
-            client.discover(index_prefix(sid, cid, keys[j - 1]), quiet=quiet, timeout=timeout),
-        )
-        return any(found)
+        tasks = [
+            asyncio.ensure_future(
+                client.discover(prefix, quiet=quiet, timeout=timeout, first=True)
+            )
+            for prefix in (
+                content_prefix(sid, cid, keys[j - 1]),
+                index_prefix(sid, cid, keys[j - 1]),
+            )
+        ]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                if await next_done:
+                    return True
+            return False
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     m = len(keys)
     if await holds(m):
@@ -89,8 +107,9 @@ async def published_blocks(
 
 
 class Lookup:
-    """``lookup(tokens) -> blocks`` for :class:`~.plan.StepPlanner`, run on the loop thread,
-    bounded by ``lookup_timeout``; every failure is a miss (0)."""
+    """``lookup(tokens) -> Future[blocks]`` for :class:`~.plan.StepPlanner`: the question
+    runs on the loop thread, bounded by ``lookup_timeout``; the future always completes
+    with a number of blocks, 0 for every failure (a miss)."""
 
     def __init__(
         self,
@@ -102,7 +121,10 @@ class Lookup:
         self.descriptor = descriptor
         self.events = events
 
-    def __call__(self, tokens: Sequence[int]) -> int:
+    def __call__(self, tokens: Sequence[int]) -> concurrent.futures.Future[int]:
+        return self.loop.submit(self._ask(tuple(tokens)))
+
+    async def _ask(self, tokens: tuple[int, ...]) -> int:
         s = self.loop.settings
         t0 = time.monotonic()
         error = None
@@ -111,11 +133,12 @@ class Lookup:
         async def ask() -> int:
             client = await self.loop.client()
             return await published_blocks(
-                client, s.scope_key, self.descriptor, tokens, timeout=s.lookup_timeout
-            )
+                client, s.scope_key, self.descriptor, tokens, quiet=s.lookup_quiet,
+                timeout=s.lookup_timeout,
+            )  # fmt: skip
 
         try:
-            blocks = self.loop.call(ask, s.lookup_timeout)
+            blocks = await asyncio.wait_for(ask(), s.lookup_timeout)
         except Exception as exc:  # a miss, never an error for vLLM
             error = f"{type(exc).__name__}: {exc}"
             log.warning("kvcs lookup failed (the prompt is computed): %s", error)

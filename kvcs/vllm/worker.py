@@ -51,7 +51,7 @@ import torch
 
 from kvcs.adapters.torch_kv import TorchKvDestination
 from kvcs.transports.quic.api import CachePublication, CacheRetrieval
-from kvcs_core.kvcs.consumer import ConsumerConfig, PublicationSelected
+from kvcs_core.kvcs.consumer import ConsumerConfig, IndexOptions, PublicationSelected
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 
 from ._loop import EventLog, LoopThread
@@ -163,7 +163,8 @@ class Worker:
                 recovery_time_bound=s.recovery_time,
                 prefix_lengths=[ld.spec.blocks],
                 require_encryption=s.encrypt,
-                config=ConsumerConfig(discovery_timeout=0.25, stall_timeout=s.recovery_time),
+                config=ConsumerConfig(discovery_timeout=s.lookup_timeout),
+                index=IndexOptions(timeout=s.lookup_timeout),
             )
             left = max(ld.deadline - time.monotonic(), 0.001)
             async for layer in retrieval.layers(timeout=left):

