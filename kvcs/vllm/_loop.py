@@ -60,7 +60,8 @@ class EventLog:
     def __call__(self, event: str, **fields: Any) -> None:
         if self.path is None:
             return
-        line = json.dumps({"t": round(time.time(), 6), "pid": os.getpid(), "event": event, **fields})
+        stamp = {"t": round(time.time(), 6), "pid": os.getpid(), "event": event}
+        line = json.dumps({**stamp, **fields})
         with self._lock, self.path.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
 

@@ -80,7 +80,7 @@ log = logging.getLogger("kvcs.vllm")
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-class KvcsConnectorMetadata(KVConnectorMetadata):
+class KvcsConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
     """One step's plan, from the scheduler side to the workers (pickled between processes)."""
 
     def __init__(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> None:
@@ -119,7 +119,7 @@ def engine_descriptor(vllm_config: VllmConfig, settings: ConnectorSettings) -> d
         raise ConnectorConfigError(f"cannot describe the engine's KV cache: {exc}") from None
 
 
-class KvcsConnector(KVConnectorBase_V1):
+class KvcsConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """kvcs as a vLLM v1 KV connector (see the module docstring)."""
 
     def __init__(
@@ -243,16 +243,18 @@ class KvcsConnector(KVConnectorBase_V1):
             for r in scheduler_output.scheduled_new_reqs
         ]
         c = scheduler_output.scheduled_cached_reqs
-        cached = [
-            CachedRequest(
-                req_id,
-                None if c.new_block_ids[i] is None else tuple(c.new_block_ids[i][0]),  # type: ignore[index]
-                req_id in c.resumed_req_ids,
-                c.num_computed_tokens[i],
-                counts.get(req_id, 0),
+        cached = []
+        for i, req_id in enumerate(c.req_ids):
+            groups = c.new_block_ids[i]
+            cached.append(
+                CachedRequest(
+                    req_id,
+                    None if groups is None else tuple(groups[0]),
+                    req_id in c.resumed_req_ids,
+                    c.num_computed_tokens[i],
+                    counts.get(req_id, 0),
+                )
             )
-            for i, req_id in enumerate(c.req_ids)
-        ]
         loads, saves = self._p().build(new, cached)
         return KvcsConnectorMetadata(loads, saves)
 

@@ -1,18 +1,25 @@
 """One vLLM engine in its own process, for the connector's end-to-end tests and benchmark.
 
 ``python engine_proc.py --model DIR --tokens-file T.json [--role kv_producer|kv_consumer|
-kv_both --relay URL --ca PEM --scope-key HEX --event-log PATH] --max-tokens N [--serve]
-[--ttft-runs K]``
+kv_both --relay URL --ca PEM --scope-key HEX --event-log PATH] [--max-tokens N]
+[--dtype float32] [--serve] [--wait-go] [--ttft-runs K]``
 
-Builds ``vllm.LLM`` (CPU: bfloat16, block size 32, eager, prefix caching off so that
-every cached token the scheduler reports is an external one), generates greedily from
-the prompt's token IDs and prints one JSON line: ``{"event": "result", "tokens": [...],
-"num_cached_tokens": n, "generate_s": s}``. With ``--ttft-runs K`` it then times K
-one-token generations of fresh request IDs (the time to first token) and prints
-``{"event": "ttft", "seconds": [...]}``. With ``--serve`` it stays up (a producer keeps
-offering its publication) until a line arrives on stdin or stdin closes, bounded by
-``--serve-for`` seconds. Without ``--role`` the engine has no connector (the recompute
-baseline).
+Builds ``vllm.LLM`` (CPU: ``--dtype``, default float32; block size 32; eager; prefix
+caching off unless ``--prefix-caching``, so that every cached token the scheduler
+reports is an external one), generates greedily from the prompt's token IDs
+(``--tokens-file``: a JSON list of token IDs, or a list of such lists for several
+prompts, one after the other) and prints one JSON line per prompt: ``{"event":
+"result", "index": i, "tokens": [...], "num_cached_tokens": n, "generate_s": s}``.
+
+* ``--ttft-runs K``: then times, per prompt, K one-token generations (new requests:
+  the time to first token, which with a consumer includes the lookup and the load)
+  and prints ``{"event": "ttft", "index": i, "seconds": [...]}``.
+* ``--serve``: stays up (a producer keeps offering its publications) until a line
+  arrives on stdin or stdin closes, bounded by ``--serve-for`` seconds.
+* ``--wait-go``: prints ``{"event": "ready"}`` once the engine is built and generates
+  only after a line arrives on stdin.
+
+Without ``--role`` the engine has no connector (the recompute baseline).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
 import time
 
@@ -41,16 +49,21 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prefix-caching", action="store_true")
     p.add_argument("--serve", action="store_true")
+    p.add_argument("--wait-go", action="store_true")
     p.add_argument("--serve-for", type=float, default=300.0)
     p.add_argument("--ttft-runs", type=int, default=0)
     p.add_argument("--recovery-time", type=float, default=1.0)
     args = p.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 - after the environment is set
 
     kwargs: dict[str, object] = {}
     if args.role:
-        extra = {"relay": args.relay, "scope_key": args.scope_key, "recovery_time": args.recovery_time}
+        extra = {
+            "relay": args.relay,
+            "scope_key": args.scope_key,
+            "recovery_time": args.recovery_time,
+        }
         if args.ca:
             extra["ca"] = args.ca
         if args.event_log:
@@ -63,7 +76,9 @@ def main() -> int:
             "kv_connector_extra_config": extra,
         }
     with open(args.tokens_file) as f:
-        tokens = [int(t) for t in json.load(f)]
+        loaded = json.load(f)
+    prompts = loaded if loaded and isinstance(loaded[0], list) else [loaded]
+    prompts = [[int(t) for t in p] for p in prompts]
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -78,30 +93,42 @@ def main() -> int:
         **kwargs,
     )
     started = time.perf_counter() - t0
+    if args.wait_go:  # start-ups of several engines overlap; their requests need not
+        print(json.dumps({"event": "ready", "start_s": round(started, 2)}), flush=True)
+        sys.stdin.readline()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    t1 = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
-    gen = time.perf_counter() - t1
-    result = {
-        "event": "result",
-        "tokens": list(out[0].outputs[0].token_ids),
-        "num_cached_tokens": out[0].num_cached_tokens,
-        "prompt_tokens": len(tokens),
-        "start_s": round(started, 2),
-        "generate_s": round(gen, 3),
-    }
-    print(json.dumps(result), flush=True)
-    if args.ttft_runs:
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        seconds = []
+    for i, tokens in enumerate(prompts):
+        t1 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+        gen = time.perf_counter() - t1
+        result = {
+            "event": "result",
+            "index": i,
+            "tokens": list(out[0].outputs[0].token_ids),
+            "num_cached_tokens": out[0].num_cached_tokens,
+            "prompt_tokens": len(tokens),
+            "start_s": round(started, 2),
+            "generate_s": round(gen, 3),
+        }
+        print(json.dumps(result), flush=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, tokens in enumerate(prompts):
+        if not args.ttft_runs:
+            break
+        seconds, cached = [], []
         for _ in range(args.ttft_runs):
             t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": tokens}], one, use_tqdm=False)
+            out = llm.generate([{"prompt_token_ids": tokens}], one, use_tqdm=False)
             seconds.append(round(time.perf_counter() - t, 4))
-        print(json.dumps({"event": "ttft", "seconds": seconds}), flush=True)
+            cached.append(out[0].num_cached_tokens)
+        print(
+            json.dumps(
+                {"event": "ttft", "index": i, "prompt_tokens": len(tokens), "seconds": seconds,
+                 "num_cached_tokens": cached}
+            ),
+            flush=True,
+        )  # fmt: skip
     if args.serve:
-        import select
-
         deadline = time.monotonic() + args.serve_for
         while time.monotonic() < deadline:
             ready, _, _ = select.select([sys.stdin], [], [], 0.5)
