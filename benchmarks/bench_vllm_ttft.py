@@ -59,7 +59,7 @@ def _all(p: Proc, name: str, count: int, timeout: float) -> list[dict[str, Any]]
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(found)} of {count} {name!r} from {p.p.args!r}")
         time.sleep(0.2)
-        p._poll()
+        p.poll()
 
 
 def main() -> int:

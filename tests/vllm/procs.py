@@ -39,7 +39,7 @@ class Proc:
         self._read = 0
         self.events: list[dict[str, Any]] = []
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
         with self.log.open("rb") as f:
             f.seek(self._read)
             data = f.read()
@@ -53,12 +53,12 @@ class Proc:
     def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
-            self._poll()
+            self.poll()
             for e in self.events:
                 if e.get("event") == name:
                     return e
             if self.p.poll() is not None or time.monotonic() > deadline:
-                self._poll()
+                self.poll()
                 err = self.log.with_suffix(".err").read_text(errors="replace")[-3000:]
                 raise AssertionError(f"no {name!r} from {self.p.args!r}; stderr:\n{err}")
             time.sleep(0.1)
@@ -68,15 +68,20 @@ class Proc:
         self.p.stdin.write(line)
         self.p.stdin.flush()
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 20.0) -> None:
+        """Close stdin and wait ``grace`` s; then SIGTERM (``kvcs relay`` stops on it), and
+        SIGKILL if that does not end it within 10 s. By PID, always."""
         if self.p.poll() is None:
             with contextlib.suppress(Exception):
                 assert self.p.stdin is not None
                 self.p.stdin.close()
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
+            for signal_it, wait in ((None, grace), (self.p.terminate, 10.0), (self.p.kill, 10.0)):
+                if signal_it is not None:
+                    signal_it()
+                try:
+                    self.p.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         self._out.close()
         self._err.close()

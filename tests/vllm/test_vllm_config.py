@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +115,11 @@ def test_a_file_that_is_not_a_key_is_refused(tmp_path: Path) -> None:
         parse_settings("kv_producer", {**BASE, "sign_key": str(bad)})
     with pytest.raises(ConnectorConfigError, match="producer_key: not a public key"):
         parse_settings("kv_consumer", {**BASE, "producer_key": str(bad)})
+
+
+def test_importing_kvcs_does_not_import_vllm() -> None:
+    code = "import sys, kvcs, kvcs.adapters.torch_kv; assert 'vllm' not in sys.modules"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]

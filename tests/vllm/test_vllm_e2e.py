@@ -66,7 +66,7 @@ def _engine(
 def _stats(relay: Proc) -> dict[str, Any]:
     """The relay's latest 'stats' line, once the counters have settled (two lines apart)."""
     time.sleep(1.2)
-    relay._poll()
+    relay.poll()
     return [e for e in relay.events if e.get("event") == "stats"][-1]
 
 
@@ -137,7 +137,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         }
     finally:
         for p in reversed(procs):
-            p.stop()
+            p.stop(grace=0.0 if p is procs[0] else 20.0)  # procs[0]: the relay (SIGTERM)
 
 
 def _one(events: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -170,19 +170,21 @@ def test_a_consumer_loads_the_prefix_and_decodes_the_same_tokens(
 
 
 def test_two_consumers_are_served_from_one_publication(scene: dict[str, Any]) -> None:
-    """The relay received the cache once (before the consumers started) and sent it to
-    both consumers and to the lower relay: its input did not grow, its output did."""
+    """The producer sent its cache to the relay once (the relay's input is exactly the
+    publication's bytes), and the relay sent it on to each consumer and to the lower
+    relay (its output is at least twice that); nothing came in before anyone asked."""
+    size = _one(scene["events"]["producer"], "published")["bytes"]
     before, after = scene["before"], scene["after"]
-    data_objects = 2 * LAYERS * 3
-    assert after["objects_in"] == before["objects_in"]
-    assert after["bytes_in"] == before["bytes_in"]
-    assert after["objects_out"] - before["objects_out"] >= 3 * data_objects
-    assert len([e for e in scene["events"]["producer"] if e["event"] == "published"]) == 1
+    assert before["bytes_in"] == 0
+    assert after["bytes_in"] == size
+    assert after["objects_in"] >= 2 * LAYERS * 3  # every K and V Object, once
+    assert after["bytes_out"] >= 2 * size
 
 
 def test_a_corrupted_object_is_recomputed_and_the_output_is_the_same(
     scene: dict[str, Any],
 ) -> None:
+    scene["lower"].poll()
     tampered = [e for e in scene["lower"].events if e.get("event") == "tampered"]
     assert tampered and all((e["layer"], e["block"]) == CORRUPT for e in tampered)
     events = scene["events"]["c"]
