@@ -39,7 +39,17 @@ import attrs
 
 from .config import Role
 
-__all__ = ["CachedRequest", "LoadSpec", "NewRequest", "SaveSpec", "StepPlanner"]
+__all__ = ["CachedRequest", "Found", "LoadSpec", "NewRequest", "SaveSpec", "StepPlanner"]
+
+
+@attrs.frozen
+class Found:
+    """A lookup's answer: ``blocks`` leading full blocks are published; ``exact`` when a
+    publication of exactly those blocks was announced (else only the KVSP index said so:
+    the publication is longer, and the load goes through the index at once)."""
+
+    blocks: int
+    exact: bool = True
 
 
 @attrs.frozen
@@ -53,6 +63,8 @@ class LoadSpec:
     """Blocks before this one were computed locally (prefix cache): not written."""
     block_ids: tuple[int, ...]
     """vLLM block IDs of the prefix's blocks ``0 .. len - 1``."""
+    exact: bool = True
+    """As :attr:`Found.exact`."""
 
     @property
     def blocks(self) -> int:
@@ -101,16 +113,16 @@ class StepPlanner:
     """The scheduler side's per-request bookkeeping (see the module docstring)."""
 
     def __init__(
-        self, role: Role, block_tokens: int, lookup: Callable[[Sequence[int]], Future[int]]
+        self, role: Role, block_tokens: int, lookup: Callable[[Sequence[int]], Future[Found]]
     ) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, not {block_tokens}")
         self.role = role
         self.block_tokens = block_tokens
         self._lookup = lookup
-        self._asked: dict[str, tuple[tuple[int, ...], Future[int]]] = {}
-        self._found: dict[str, tuple[tuple[int, ...], int]] = {}
-        self._to_load: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._asked: dict[str, tuple[tuple[int, ...], Future[Found]]] = {}
+        self._found: dict[str, tuple[tuple[int, ...], Found]] = {}
+        self._to_load: dict[str, tuple[tuple[int, ...], int, bool]] = {}
         self._saving: dict[str, _Saving] = {}
 
     # -- get_num_new_matched_tokens / update_state_after_alloc
@@ -133,12 +145,13 @@ class StepPlanner:
                 return None
             del self._asked[req_id]
             try:
-                found = min(max(int(future.result()), 0), usable)
+                answer = future.result()
+                found = Found(min(max(int(answer.blocks), 0), usable), bool(answer.exact))
             except Exception:  # a lookup that failed is a miss
-                found = 0
-            self._found[req_id] = (prefix[: found * b], found)
+                found = Found(0)
+            self._found[req_id] = (prefix[: found.blocks * b], found)
         _, found = self._found[req_id]
-        return max(found * b - num_computed, 0)
+        return max(found.blocks * b - num_computed, 0)
 
     def allocated(self, req_id: str, num_external: int) -> None:
         """Blocks were allocated; ``num_external`` tokens are to be loaded (0: none)."""
@@ -146,8 +159,8 @@ class StepPlanner:
         if num_external <= 0 or entry is None:
             return
         tokens, found = entry
-        first = found - num_external // self.block_tokens
-        self._to_load[req_id] = (tokens, max(first, 0))
+        first = found.blocks - num_external // self.block_tokens
+        self._to_load[req_id] = (tokens, max(first, 0), found.exact)
 
     # -- build_connector_meta
 
@@ -161,9 +174,10 @@ class StepPlanner:
         for r in new:
             end = 0
             if (entry := self._to_load.pop(r.req_id, None)) is not None:
-                tokens, first = entry
+                tokens, first, exact = entry
                 blocks = len(tokens) // b
-                loads.append(LoadSpec(r.req_id, tokens, first, tuple(r.block_ids[:blocks])))
+                ids = tuple(r.block_ids[:blocks])
+                loads.append(LoadSpec(r.req_id, tokens, first, ids, exact))
                 end = len(tokens)
             full = len(r.prompt) // b
             if self.role.publishes and full and full * b > end:
@@ -171,11 +185,11 @@ class StepPlanner:
             self._maybe_save(r.req_id, r.num_computed + r.num_scheduled, saves)
         for c in cached:
             if c.resumed and (entry := self._to_load.pop(c.req_id, None)) is not None:
-                tokens, first = entry
+                tokens, first, exact = entry
                 blocks = len(tokens) // b
                 ids = tuple(c.new_block_ids or ())[:blocks]
                 if len(ids) == blocks:
-                    loads.append(LoadSpec(c.req_id, tokens, first, ids))
+                    loads.append(LoadSpec(c.req_id, tokens, first, ids, exact))
             if (s := self._saving.get(c.req_id)) is not None and c.new_block_ids is not None:
                 if c.resumed:
                     s.block_ids = list(c.new_block_ids)

@@ -43,6 +43,7 @@ from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 from kvcs_core.kvsp.keys import block_keys, scope_id
 
 from ._loop import EventLog, LoopThread
+from .plan import Found
 
 __all__ = ["Lookup", "published_blocks"]
 
@@ -62,48 +63,52 @@ async def published_blocks(
     *,
     quiet: float = QUIET,
     timeout: float = 2.0,
-) -> int:
-    """How many leading full blocks of ``tokens`` some publication holds (0: none).
+) -> Found:
+    """How many leading full blocks of ``tokens`` some publication holds (0: none), and
+    whether a publication of exactly that many was announced.
 
     Raises:
         ConnectError: the relay refused a request or the session closed.
     """
     keys = block_keys(scope_key, descriptor, tokens)
     if not keys:
-        return 0
+        return Found(0)
     sid, cid = scope_id(scope_key), descriptor.compat_id
 
-    async def holds(j: int) -> bool:
-        tasks = [
-            asyncio.ensure_future(
-                client.discover(prefix, quiet=quiet, timeout=timeout, first=True)
-            )
-            for prefix in (
-                content_prefix(sid, cid, keys[j - 1]),
-                index_prefix(sid, cid, keys[j - 1]),
-            )
-        ]
+    async def holds(j: int) -> Found | None:
+        exact = asyncio.ensure_future(
+            client.discover(content_prefix(sid, cid, keys[j - 1]), quiet=quiet,
+                            timeout=timeout, first=True)
+        )  # fmt: skip
+        index = asyncio.ensure_future(
+            client.discover(index_prefix(sid, cid, keys[j - 1]), quiet=quiet,
+                            timeout=timeout, first=True)
+        )  # fmt: skip
+        tasks = [exact, index]
         try:
             for next_done in asyncio.as_completed(tasks):
                 if await next_done:
-                    return True
-            return False
+                    # the exact publication wins when both answered
+                    seen = exact.done() and not exact.cancelled() and not exact.exception()
+                    return Found(j, seen and bool(exact.result()))
+            return None
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     m = len(keys)
-    if await holds(m):
-        return m
+    if (hit := await holds(m)) is not None:
+        return hit
+    best = Found(0)
     lo, hi = 0, m - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if await holds(mid):
-            lo = mid
+        if (hit := await holds(mid)) is not None:
+            lo, best = mid, hit
         else:
             hi = mid - 1
-    return lo
+    return best
 
 
 class Lookup:
@@ -121,16 +126,16 @@ class Lookup:
         self.descriptor = descriptor
         self.events = events
 
-    def __call__(self, tokens: Sequence[int]) -> concurrent.futures.Future[int]:
+    def __call__(self, tokens: Sequence[int]) -> concurrent.futures.Future[Found]:
         return self.loop.submit(self._ask(tuple(tokens)))
 
-    async def _ask(self, tokens: tuple[int, ...]) -> int:
+    async def _ask(self, tokens: tuple[int, ...]) -> Found:
         s = self.loop.settings
         t0 = time.monotonic()
         error = None
-        blocks = 0
+        found = Found(0)
 
-        async def ask() -> int:
+        async def ask() -> Found:
             client = await self.loop.client()
             return await published_blocks(
                 client, s.scope_key, self.descriptor, tokens, quiet=s.lookup_quiet,
@@ -138,15 +143,16 @@ class Lookup:
             )  # fmt: skip
 
         try:
-            blocks = await asyncio.wait_for(ask(), s.lookup_timeout)
+            found = await asyncio.wait_for(ask(), s.lookup_timeout)
         except Exception as exc:  # a miss, never an error for vLLM
             error = f"{type(exc).__name__}: {exc}"
             log.warning("kvcs lookup failed (the prompt is computed): %s", error)
         self.events(
             "lookup",
             tokens=len(tokens),
-            blocks=blocks,
+            blocks=found.blocks,
+            exact=found.exact,
             ms=round((time.monotonic() - t0) * 1e3, 1),
             error=error,
         )
-        return blocks
+        return found

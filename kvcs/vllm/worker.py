@@ -62,6 +62,9 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("kvcs.vllm")
 
+SHORT_DISCOVERY = 0.05
+"""Seconds of direct discovery when the lookup found the prefix only in the KVSP index."""
+
 MAX_PUBLICATIONS = 64
 """Publications a producer keeps offering; the oldest is withdrawn beyond this."""
 
@@ -163,7 +166,10 @@ class Worker:
                 recovery_time_bound=s.recovery_time,
                 prefix_lengths=[ld.spec.blocks],
                 require_encryption=s.encrypt,
-                config=ConsumerConfig(discovery_timeout=s.lookup_timeout),
+                # a longer publication has another Anchor Key: straight to the index
+                config=ConsumerConfig(
+                    discovery_timeout=s.lookup_timeout if ld.spec.exact else SHORT_DISCOVERY
+                ),
                 index=IndexOptions(timeout=s.lookup_timeout),
             )
             left = max(ld.deadline - time.monotonic(), 0.001)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from kvcs.vllm.config import Role
-from kvcs.vllm.plan import CachedRequest, LoadSpec, NewRequest, SaveSpec, StepPlanner
+from kvcs.vllm.plan import CachedRequest, Found, LoadSpec, NewRequest, SaveSpec, StepPlanner
 
 B = 4
 
@@ -19,15 +19,15 @@ class Published:
         self.tokens = list(tokens)
         self.calls: list[tuple[int, ...]] = []
 
-    def __call__(self, prefix: Sequence[int]) -> Future[int]:
+    def __call__(self, prefix: Sequence[int]) -> Future[Found]:
         self.calls.append(tuple(prefix))
         n = 0
         while (n + 1) * B <= min(len(prefix), len(self.tokens)) and list(
             prefix[: (n + 1) * B]
         ) == self.tokens[: (n + 1) * B]:
             n += 1
-        done: Future[int] = Future()
-        done.set_result(n)
+        done: Future[Found] = Future()
+        done.set_result(Found(n, exact=n == len(prefix) // B))
         return done
 
 
@@ -53,10 +53,10 @@ def test_the_lookup_runs_once_per_request_and_counts_local_blocks() -> None:
 
 
 def test_the_engine_is_asked_to_wait_while_the_lookup_runs() -> None:
-    pending: Future[int] = Future()
+    pending: Future[Found] = Future()
     asked: list[tuple[int, ...]] = []
 
-    def lookup(prefix: Sequence[int]) -> Future[int]:
+    def lookup(prefix: Sequence[int]) -> Future[Found]:
         asked.append(tuple(prefix))
         return pending
 
@@ -64,9 +64,9 @@ def test_the_engine_is_asked_to_wait_while_the_lookup_runs() -> None:
     assert planner.matched("r", PROMPT, 0) is None
     assert planner.matched("r", PROMPT, 0) is None
     assert len(asked) == 1  # one question per request
-    pending.set_result(2)
+    pending.set_result(Found(2))
     assert planner.matched("r", PROMPT, 0) == 8
-    failed: Future[int] = Future()
+    failed: Future[Found] = Future()
     failed.set_exception(TimeoutError())
     planner = StepPlanner(Role.CONSUMER, B, lambda prefix: failed)
     assert planner.matched("s", PROMPT, 0) == 0  # a failed lookup is a miss
@@ -80,6 +80,10 @@ def test_a_miss_or_a_partial_hit() -> None:
     assert loads == [] and saves == []
     partial = StepPlanner(Role.CONSUMER, B, Published([*range(100, 108), 0, 0, 0, 0]))
     assert partial.matched("r", PROMPT, 0) == 8
+    partial.allocated("r", 8)
+    loads, _ = partial.build([NewRequest("r", PROMPT, (5, 6, 7, 8), 8, 6)], [])
+    # 2 of the 3 candidate blocks: the load goes to the index at once
+    assert loads == [LoadSpec("r", PROMPT[:8], 0, (5, 6), exact=False)]
 
 
 def test_a_load_carries_the_prefix_and_its_block_ids() -> None:

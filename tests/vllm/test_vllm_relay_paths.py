@@ -19,13 +19,15 @@ from typing import Any
 
 import pytest
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvcs.adapters.cachefile import llama_descriptor
 from kvcs.transports.quic import asyncio_binding
 from kvcs.transports.quic.tls import TlsConfig
 from kvcs.vllm._loop import EventLog, LoopThread
 from kvcs.vllm.config import parse_settings
-from kvcs.vllm.plan import LoadSpec, SaveSpec
+from kvcs.vllm.plan import Found, LoadSpec, SaveSpec
 from kvcs.vllm.scheduler import Lookup, published_blocks
 from kvcs.vllm.worker import Worker
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
@@ -64,9 +66,12 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             p.wait(10)
 
 
-def _worker(relay: dict[str, Any], role: str, log: Path | None = None) -> tuple[Worker, LoopThread]:
+def _worker(
+    relay: dict[str, Any], role: str, log: Path | None = None, **extra: Any
+) -> tuple[Worker, LoopThread]:
     s = parse_settings(
-        role, {"relay": relay["url"], "ca": relay["ca"], "scope_key": KEY, "load_timeout": 20}
+        role,
+        {"relay": relay["url"], "ca": relay["ca"], "scope_key": KEY, "load_timeout": 20, **extra},
     )
     loop = LoopThread(s, f"test-{role}")
     return Worker(loop, CD, DESCRIPTOR, EventLog(log)), loop
@@ -122,7 +127,7 @@ def test_the_lookup_finds_the_published_prefix_of_a_prompt(
 ) -> None:
     tokens = published[0]
 
-    async def ask() -> list[int]:
+    async def ask() -> list[Found]:
         async with asyncio_binding.connect(relay["url"], tls=TlsConfig(cafile=relay["ca"])) as c:
             key = bytes.fromhex(KEY)
             return [
@@ -134,7 +139,11 @@ def test_the_lookup_finds_the_published_prefix_of_a_prompt(
                 await published_blocks(c, bytes(32), CD, tokens),  # another scope key
             ]
 
-    assert asyncio.run(ask()) == [4, 2, 3, 4, 0, 0]
+    found = asyncio.run(ask())
+    assert [f.blocks for f in found] == [4, 2, 3, 4, 0, 0]
+    # the same prompt and a longer one see the 4-block publication itself; a shorter or
+    # diverging prompt only its index records (the publication is longer than they share)
+    assert [f.exact for f in found[:4]] == [True, False, False, True]
 
 
 def test_a_lookup_that_cannot_reach_a_relay_is_a_miss(tmp_path: Path) -> None:
@@ -146,7 +155,7 @@ def test_a_lookup_that_cannot_reach_a_relay_is_a_miss(tmp_path: Path) -> None:
     loop = LoopThread(s, "test-miss")
     try:
         lookup = Lookup(loop, CD, EventLog(s.event_log))
-        assert lookup(tuple(range(4 * B))).result(10) == 0
+        assert lookup(tuple(range(4 * B))).result(10) == Found(0)
         (event,) = _events(tmp_path / "e.jsonl")
         assert event["event"] == "lookup" and event["blocks"] == 0 and event["error"]
     finally:
@@ -217,3 +226,70 @@ def test_a_prefix_that_is_not_published_becomes_load_errors(
     finally:
         with contextlib.suppress(Exception):
             loop.close()
+
+
+def _keys(tmp: Path) -> tuple[Path, Path, Path]:
+    """A producer's signing key, its public key, and another public key (PEM files)."""
+    out = []
+    for name in ("producer", "other"):
+        priv = Ed25519PrivateKey.generate()
+        (tmp / f"{name}.pem").write_bytes(
+            priv.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        (tmp / f"{name}.pub").write_bytes(
+            priv.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        out.append(tmp / f"{name}.pem")
+    return out[0], out[0].with_suffix(".pub"), out[1].with_suffix(".pub")
+
+
+def test_a_signed_encrypted_publication_loads_only_with_the_producers_key(
+    relay: dict[str, Any], tmp_path: Path
+) -> None:
+    sign, public, other = _keys(tmp_path)
+    producer, ploop = _worker(
+        relay, "kv_producer", tmp_path / "p.jsonl", sign_key=str(sign), encrypt=True
+    )
+    try:
+        src = _pages()
+        g = torch.Generator().manual_seed(5)
+        for t in src.values():
+            t.copy_(torch.randn(t.shape, generator=g))
+        producer.register(src)
+        tokens = tuple(range(5000, 5000 + 2 * B))
+        producer.start_saves([SaveSpec("p", tokens, (7, 8))])
+        for name in NAMES:
+            producer.save_layer(name)
+        producer.wait_saves()
+        _wait(lambda: any(e["event"] == "published" for e in _events(tmp_path / "p.jsonl")),
+              "the publication")  # fmt: skip
+        for key, ok in ((public, True), (other, False)):
+            consumer, cloop = _worker(
+                relay, "kv_consumer", producer_key=str(key), encrypt=True, lookup_timeout=2.0,
+                recovery_time=0.5,
+            )  # fmt: skip
+            try:
+                caches = _pages()
+                consumer.register(caches)
+                consumer.start_loads([LoadSpec("c", tokens, 0, (1, 2))])
+                for name in NAMES:
+                    consumer.wait_layer(name)
+                errors = consumer.load_errors()
+                if ok:
+                    assert errors == set()
+                    for name in NAMES:
+                        (ks, _), (kd, _) = _kv(src[name]), _kv(caches[name])
+                        assert torch.equal(kd[[1, 2]], ks[[7, 8]])
+                else:  # a manifest that does not verify with the trusted key: never used
+                    assert errors == {1, 2}
+                    assert not any(t.any() for t in caches.values())
+            finally:
+                cloop.close()
+    finally:
+        ploop.close()
