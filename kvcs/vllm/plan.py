@@ -58,7 +58,9 @@ class LoadSpec:
 
     req_id: str
     tokens: tuple[int, ...]
-    """The prefix to retrieve: ``len(block_ids) * B`` tokens."""
+    """The prefix to retrieve: ``len(block_ids) * B`` tokens, or one block more when the
+    publication also holds the block of the prompt's last token (retrieved for an exact
+    match, never written: vLLM computes that block)."""
     first_block: int
     """Blocks before this one were computed locally (prefix cache): not written."""
     block_ids: tuple[int, ...]
@@ -121,8 +123,8 @@ class StepPlanner:
         self.block_tokens = block_tokens
         self._lookup = lookup
         self._asked: dict[str, tuple[tuple[int, ...], Future[Found]]] = {}
-        self._found: dict[str, tuple[tuple[int, ...], Found]] = {}
-        self._to_load: dict[str, tuple[tuple[int, ...], int, bool]] = {}
+        self._found: dict[str, tuple[tuple[int, ...], Found, int]] = {}
+        self._to_load: dict[str, tuple[tuple[int, ...], int, int, bool]] = {}
         self._saving: dict[str, _Saving] = {}
 
     # -- get_num_new_matched_tokens / update_state_after_alloc
@@ -138,7 +140,11 @@ class StepPlanner:
             return 0
         if req_id not in self._found:
             if req_id not in self._asked:
-                prefix = tuple(int(t) for t in prompt[: usable * b])
+                # every full block is looked up, the last token's too: the same prompt
+                # prefilled elsewhere is then an exact hit even when it ends on a block
+                # boundary (only the blocks before the last token's are loaded)
+                full = len(prompt) // b
+                prefix = tuple(int(t) for t in prompt[: full * b])
                 self._asked[req_id] = (prefix, self._lookup(prefix))
             prefix, future = self._asked[req_id]
             if not future.done():
@@ -146,21 +152,22 @@ class StepPlanner:
             del self._asked[req_id]
             try:
                 answer = future.result()
-                found = Found(min(max(int(answer.blocks), 0), usable), bool(answer.exact))
+                found = Found(min(max(int(answer.blocks), 0), len(prefix) // b), answer.exact)
             except Exception:  # a lookup that failed is a miss
                 found = Found(0)
-            self._found[req_id] = (prefix[: found.blocks * b], found)
-        _, found = self._found[req_id]
-        return max(found.blocks * b - num_computed, 0)
+            loadable = min(found.blocks, usable)
+            self._found[req_id] = (prefix[: found.blocks * b], found, loadable)
+        _, _, loadable = self._found[req_id]
+        return max(loadable * b - num_computed, 0)
 
     def allocated(self, req_id: str, num_external: int) -> None:
         """Blocks were allocated; ``num_external`` tokens are to be loaded (0: none)."""
         entry = self._found.pop(req_id, None)
         if num_external <= 0 or entry is None:
             return
-        tokens, found = entry
-        first = found.blocks - num_external // self.block_tokens
-        self._to_load[req_id] = (tokens, max(first, 0), found.exact)
+        tokens, found, loadable = entry
+        first = loadable - num_external // self.block_tokens
+        self._to_load[req_id] = (tokens, max(first, 0), loadable, found.exact)
 
     # -- build_connector_meta
 
@@ -174,21 +181,19 @@ class StepPlanner:
         for r in new:
             end = 0
             if (entry := self._to_load.pop(r.req_id, None)) is not None:
-                tokens, first, exact = entry
-                blocks = len(tokens) // b
-                ids = tuple(r.block_ids[:blocks])
+                tokens, first, loadable, exact = entry
+                ids = tuple(r.block_ids[:loadable])
                 loads.append(LoadSpec(r.req_id, tokens, first, ids, exact))
-                end = len(tokens)
+                end = loadable * b
             full = len(r.prompt) // b
             if self.role.publishes and full and full * b > end:
                 self._saving[r.req_id] = _Saving(tuple(r.prompt[: full * b]), list(r.block_ids))
             self._maybe_save(r.req_id, r.num_computed + r.num_scheduled, saves)
         for c in cached:
             if c.resumed and (entry := self._to_load.pop(c.req_id, None)) is not None:
-                tokens, first, exact = entry
-                blocks = len(tokens) // b
-                ids = tuple(c.new_block_ids or ())[:blocks]
-                if len(ids) == blocks:
+                tokens, first, loadable, exact = entry
+                ids = tuple(c.new_block_ids or ())[:loadable]
+                if len(ids) == loadable:
                     loads.append(LoadSpec(c.req_id, tokens, first, ids, exact))
             if (s := self._saving.get(c.req_id)) is not None and c.new_block_ids is not None:
                 if c.resumed:

@@ -75,7 +75,7 @@ class _Load:
     def __init__(self, spec: LoadSpec, descriptor: CompatibilityDescriptor, timeout: float) -> None:
         self.spec = spec
         layers = descriptor.layers
-        self.dest = TorchKvDestination(descriptor, spec.blocks * descriptor.block_tokens)
+        self.dest = TorchKvDestination(descriptor, len(spec.tokens))
         self.ready = [threading.Event() for _ in range(layers)]
         self.ok = [False] * layers
         self.available = spec.blocks
@@ -164,7 +164,7 @@ class Worker:
                 producer_keys=s.producer_keys,
                 require_authenticity=s.producer_keys is not None,
                 recovery_time_bound=s.recovery_time,
-                prefix_lengths=[ld.spec.blocks],
+                prefix_lengths=[len(ld.spec.tokens) // self.descriptor.block_tokens],
                 require_encryption=s.encrypt,
                 # a longer publication has another Anchor Key: straight to the index
                 config=ConsumerConfig(

@@ -38,9 +38,15 @@ def test_the_last_prompt_token_is_never_loaded() -> None:
     lookup = Published(range(100, 200))
     planner = StepPlanner(Role.CONSUMER, B, lookup)
     assert planner.matched("r", PROMPT, 0) == 12
-    # a prompt of exactly 3 blocks: the last block holds the last token -> 2 blocks
+    # a prompt of exactly 3 blocks: the last block holds the last token -> 2 blocks are
+    # loaded; all 3 are looked up (and retrieved), so that the same prompt prefilled
+    # elsewhere is found exactly
     assert planner.matched("s", tuple(range(100, 112)), 0) == 8
-    assert lookup.calls[1] == tuple(range(100, 108))
+    assert lookup.calls[1] == tuple(range(100, 112))
+    planner.allocated("s", 8)
+    loads, _ = planner.build([NewRequest("s", tuple(range(100, 112)), (4, 5, 6), 8, 4)], [])
+    assert loads == [LoadSpec("s", tuple(range(100, 112)), 0, (4, 5))]
+    assert loads[0].blocks == 2
 
 
 def test_the_lookup_runs_once_per_request_and_counts_local_blocks() -> None:
