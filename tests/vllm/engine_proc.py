@@ -30,10 +30,23 @@ import os
 import select
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def by_source(llm: Any) -> dict[str, float]:
+    """vLLM's ``vllm:prompt_tokens_by_source`` counters so far (``local_compute``,
+    ``local_cache_hit``, ``external_kv_transfer``): what the scheduler says each prompt
+    token came from."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_by_source":
+            source = str(m.labels.get("source"))
+            out[source] = out.get(source, 0.0) + float(m.value)
+    return out
 
 
 def main() -> int:
@@ -90,6 +103,7 @@ def main() -> int:
         enable_prefix_caching=args.prefix_caching,
         gpu_memory_utilization=0.1,
         seed=0,
+        disable_log_stats=False,  # for llm.get_metrics()
         **kwargs,
     )
     started = time.perf_counter() - t0
@@ -109,6 +123,7 @@ def main() -> int:
             "prompt_tokens": len(tokens),
             "start_s": round(started, 2),
             "generate_s": round(gen, 3),
+            "prompt_tokens_by_source": by_source(llm),
         }
         print(json.dumps(result), flush=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

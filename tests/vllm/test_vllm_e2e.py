@@ -151,6 +151,7 @@ def test_the_producer_publishes_the_prompts_full_blocks_once(scene: dict[str, An
     assert pub["tokens"] == PROMPT_TOKENS // BLOCK * BLOCK == 96
     assert pub["blocks"] == 3
     assert len(scene["produced"]["tokens"]) == MAX_TOKENS
+    assert scene["produced"]["prompt_tokens_by_source"]["local_compute"] == PROMPT_TOKENS
 
 
 @pytest.mark.parametrize("name", ["a", "b"])
@@ -162,6 +163,12 @@ def test_a_consumer_loads_the_prefix_and_decodes_the_same_tokens(
     # the scheduler took the 3 published blocks as computed (prefix caching is off: none
     # of them is a local hit); the prefill computed only the last 4 prompt tokens
     assert result["num_cached_tokens"] == 96
+    # vLLM's own per-source prompt token counters: 96 came from the connector, 4 were
+    # computed, none were local prefix-cache hits
+    by_source = result["prompt_tokens_by_source"]
+    assert by_source["external_kv_transfer"] == 96
+    assert by_source["local_compute"] == 4
+    assert by_source.get("local_cache_hit", 0) == 0
     events = scene["events"][name]
     assert _one(events, "lookup")["blocks"] == 3
     done = _one(events, "load_done")
