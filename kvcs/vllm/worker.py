@@ -65,6 +65,10 @@ log = logging.getLogger("kvcs.vllm")
 SHORT_DISCOVERY = 0.05
 """Seconds of direct discovery when the lookup found the prefix only in the KVSP index."""
 
+FORGET_AFTER = 60.0
+"""Seconds a retrieval that is still running after its load may go on (recovering,
+closing its requests) before the client drops it anyway."""
+
 MAX_PUBLICATIONS = 64
 """Publications a producer keeps offering; the oldest is withdrawn beyond this."""
 
@@ -193,6 +197,8 @@ class Worker:
                     ld.available = 0
             else:
                 ld.available = 0
+            if retrieval is not None:
+                self.loop.loop.create_task(self._forget(retrieval))
             for layer, ok in enumerate(ld.ok):
                 if not ok:  # the verified blocks before the first bad one may still be written
                     with contextlib.suppress(Exception):
@@ -209,6 +215,13 @@ class Worker:
                 error=ld.error,
                 ms=round((time.monotonic() - ld.started) * 1e3, 1),
             )
+
+    async def _forget(self, retrieval: CacheRetrieval) -> None:
+        """Let the client drop the retrieval (and its destination) once it is over, so a
+        serving engine does not keep every retrieval it ever made (bounded wait)."""
+        with contextlib.suppress(Exception):
+            await retrieval.result(timeout=FORGET_AFTER, strict=False)
+        retrieval.forget()
 
     def wait_layer(self, layer_name: str) -> None:
         """Block until ``layer_name``'s verified blocks of every load are in the pages (or

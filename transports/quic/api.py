@@ -359,7 +359,7 @@ class MoqtClient:
             consumer.attach(c.session, now=now)
         handle.drain()
         self.driver.wake()
-        return CacheRetrieval(self.driver, handle)
+        return CacheRetrieval(self.driver, handle, tuple(c.app for c in clients))
 
     async def discover(
         self,
@@ -533,9 +533,12 @@ class CachePublication:
 class CacheRetrieval:
     """A running consumer: iterate over usable layers, then take the result."""
 
-    def __init__(self, driver: Driver, handle: ConsumerHandle) -> None:
+    def __init__(
+        self, driver: Driver, handle: ConsumerHandle, apps: Sequence[ClientApp] = ()
+    ) -> None:
         self.driver = driver
         self.handle = handle
+        self._apps = tuple(apps)
         self.ready: list[int] = []
         self.recompute: list[RecomputeNeeded] = []
         self.complete: RetrievalComplete | None = None
@@ -603,6 +606,15 @@ class CacheRetrieval:
             raise RetrievalFailed(
                 f"layer {layer} will not arrive", self.complete, tuple(self.recompute)
             )
+
+    def forget(self) -> None:
+        """Drop the clients' references to this retrieval (its consumer machine and the
+        destinations it writes into), so that a long-lived client that retrieves many
+        caches does not keep every one. Call it once the retrieval is over (``result()``
+        returned); a retrieval still running gets no further events after it."""
+        for app in self._apps:
+            if self.handle in app.consumers:
+                app.consumers.remove(self.handle)
 
     async def result(
         self, timeout: float | None = None, *, strict: bool = True
