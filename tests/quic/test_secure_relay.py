@@ -252,13 +252,26 @@ async def _tampered(tmp: Path, how: str) -> tuple[int, list[dict[str, Any]], str
     return status, lines, (tmp / "fetch.err").read_text(), done
 
 
+TAMPER_ATTEMPTS = 8
+"""Runs of the tampering scenario until the tamperer was asked for its Object."""
+
+
 @pytest.mark.parametrize("how", ["flip", "move"])
 def test_a_tampering_relay_is_detected_and_the_honest_one_recovers(
     tmp_path: Path, how: str
 ) -> None:
-    status, lines, err, done = asyncio.run(
-        asyncio.wait_for(_tampered(tmp_path, how), SCENARIO_TIMEOUT)
-    )
+    # `kvcs fetch --also` takes each Object from whichever relay answers first, so in some
+    # runs it never asks the tamperer for the one Object it tampers with (seen on an idle
+    # machine in about half the runs): the scenario is then run again, since only a run
+    # in which the tampering happened can show it detected
+    for attempt in range(TAMPER_ATTEMPTS):
+        tmp = tmp_path / f"attempt-{attempt}"
+        tmp.mkdir()
+        status, lines, err, done = asyncio.run(
+            asyncio.wait_for(_tampered(tmp, how), SCENARIO_TIMEOUT)
+        )
+        if done:
+            break
     assert done, "the tampering relay never saw the object it tampers with"
     reports = [line for line in lines if line.get("event") == "done"]
     assert len(reports) == 1, (lines, err)
