@@ -114,14 +114,19 @@ async def _publish_and_fetch(tls: TlsConfig, layers: int, tokens: int) -> dict[s
 
             async def sample() -> None:
                 while not done.is_set():
-                    seen["max_unsent"] = max(seen["max_unsent"], producer.pump.unsent_bytes())
-                    seen["samples"] += 1
+                    look()
                     await asyncio.sleep(0.001)
+
+            def look() -> None:
+                seen["max_unsent"] = max(seen["max_unsent"], producer.pump.unsent_bytes())
+                seen["samples"] += 1
 
             async def produce() -> None:
                 for layer in range(cd.layers):
                     s = layer_sections(source.k[layer], source.v[layer], cd)
                     await pub.put_layer(layer, s.k, s.v, timeout=WAIT)
+                    look()  # also right after each layer was queued (a busy loop runs the
+                    # sampler below rarely)
                 await pub.finish()
                 await pub.drained(timeout=WAIT)
 
