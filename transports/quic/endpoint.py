@@ -54,7 +54,7 @@ from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.events import SessionEvent
 from kvcs_core.moqt.session import MoqtSession
 
-from .pump import DEFAULT_MAX_UNSENT, SessionPump
+from .pump import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSENT, SessionPump
 from .stack import QuicStack
 
 log = logging.getLogger("kvcs.quic")
@@ -127,6 +127,7 @@ class QuicEndpoint:
         session_config: builds the :class:`SessionConfig` of a new session from
             its role (server connections) or is given per :meth:`connect`.
         max_unsent: per connection, see :class:`~.pump.SessionPump`.
+        max_outstanding: per connection, see :class:`~.pump.SessionPump`.
         max_connections: accepted or opened connections alive at once.
         max_connections_per_address: accepted connections alive at once from one
             IP address (capped at a quarter of ``max_connections``, at least 1).
@@ -143,6 +144,7 @@ class QuicEndpoint:
         *,
         session_config: Callable[[Role], SessionConfig] | None = None,
         max_unsent: int = DEFAULT_MAX_UNSENT,
+        max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
         webtransport: bool = False,
@@ -154,6 +156,7 @@ class QuicEndpoint:
         self.app = app
         self.session_config = session_config or (lambda role: SessionConfig(role=role))
         self.max_unsent = max_unsent
+        self.max_outstanding = max_outstanding
         self.max_connections = max_connections
         self.max_connections_per_address = max(
             1, min(max_connections_per_address, max_connections // 4)
@@ -437,6 +440,7 @@ class QuicEndpoint:
             quic,
             MoqtSession(config),
             max_unsent=self.max_unsent,
+            max_outstanding=self.max_outstanding,
             label=f"{role}#{self._serial}",
             webtransport=self.webtransport,
             wt_target=wt_target,

@@ -31,7 +31,11 @@ come out.
   Object data is *pulled* (``poll_data``) only while fewer than
   ``max_unsent`` written bytes wait for their first transmission, so QUIC flow
   and congestion control push back on the core instead of the stack's buffers
-  growing without bound (ARCHITECTURE.md "Data path and memory").
+  growing without bound (ARCHITECTURE.md "Data path and memory"), and only
+  while those plus the bytes in flight (sent, not yet acknowledged: the stack
+  keeps them for retransmission) stay under ``max_outstanding``: a sender's
+  memory per connection is bounded even when its peer grants large windows and
+  acknowledges late (a consumer short of CPU), at the price of a send window.
   Chunks go to ``send_stream_data`` one by one (the stack copies them once
   into its send buffer; nothing is joined here).
 * **Events.** Session events are queued for the owner (the endpoint), which
@@ -94,6 +98,11 @@ log = logging.getLogger("kvcs.quic")
 DEFAULT_MAX_UNSENT = 1 << 20
 """Bytes of object data a connection may hold unsent in its QUIC stack (1 MiB)."""
 
+DEFAULT_MAX_OUTSTANDING = 8 << 20
+"""Bytes a connection may hold in its QUIC stack's send buffers, unsent or sent and not
+yet acknowledged (8 MiB): the memory a sender spends per connection beyond what it
+caches, and its send window (8 MiB per round trip: 168 MB/s at 50 ms)."""
+
 ALPN_MISMATCH = 0x178
 """QUIC CRYPTO_ERROR(no_application_protocol): the peer did not agree on ``moqt-22``."""
 
@@ -129,6 +138,7 @@ class SessionPump:
         session: MoqtSession,
         *,
         max_unsent: int = DEFAULT_MAX_UNSENT,
+        max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
         label: str = "",
         webtransport: bool = False,
         wt_target: tuple[str, str] | None = None,
@@ -140,6 +150,7 @@ class SessionPump:
         self.session = session
         self.label = label
         self.max_unsent = max_unsent
+        self.max_outstanding = max_outstanding
         self.events: deque[SessionEvent] = deque()
         self.handshake_complete = False
         self.terminated = False
@@ -271,7 +282,11 @@ class SessionPump:
         self._drain_session()
         if self.terminated or not self.handshake_complete:
             return 0
-        budget = self.max_unsent - self.unsent_bytes()
+        unsent = self.unsent_bytes()
+        budget = min(
+            self.max_unsent - unsent,
+            self.max_outstanding - unsent - self.stack.bytes_in_flight(self.quic),
+        )
         pulled = 0
         while budget > 0:
             item = self.session.poll_data(budget)

@@ -122,6 +122,10 @@ class QuicStack:
     """``(connection, stream_id) -> bytes written but not yet sent once``."""
     datagrams_to_send: Callable[[Any, float], list[tuple[bytes, Any]]]
     """``(connection, now) -> [(datagram, address)]``: the connection's ``datagrams_to_send``."""
+    bytes_in_flight: Callable[[Any], int] = attrs.field(default=lambda conn: 0)
+    """``(connection) -> bytes sent and neither acknowledged nor declared lost`` (what the
+    stack's congestion controller counts: sent stream data stays in the stack's send
+    buffer at least that long); 0 where the stack does not tell."""
     bidi_credit: Callable[[Any], int | None] = attrs.field(default=lambda conn: None)
     """``(connection) -> bidirectional streams the peer allows us in total`` (its
     cumulative MAX_STREAMS), ``None`` where the stack does not tell."""
@@ -148,6 +152,15 @@ def _aioquic_unsent(conn: Any, stream_id: int) -> int:
 
 def _qh3_unsent(conn: Any, stream_id: int) -> int:
     return int(conn.get_send_buffer_size(stream_id))
+
+
+def _aioquic_in_flight(conn: Any) -> int:
+    return int(conn._loss.bytes_in_flight)
+
+
+def _qh3_in_flight(conn: Any) -> int:
+    core = getattr(conn, "_core", None)  # qh3 builds its native core when it connects
+    return 0 if core is None else int(core.bytes_in_flight)
 
 
 def _close_event(conn: Any) -> Any:
@@ -329,12 +342,14 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
     if name == "aioquic":
         buffer_cls = importlib.import_module("aioquic.buffer").Buffer
         unsent = _aioquic_unsent
+        in_flight = _aioquic_in_flight
         datagrams = _aioquic_datagrams
         credit = _aioquic_bidi_credit
         connection = _aioquic_connection(conn_mod.QuicConnection)
     else:
         buffer_cls = importlib.import_module("qh3._hazmat").Buffer
         unsent = _qh3_unsent
+        in_flight = _qh3_in_flight
         datagrams = _qh3_datagrams
         credit = _qh3_bidi_credit
         _qh3_more_streams(conn_mod)  # before any connection: a server's builds its core at once
@@ -358,6 +373,7 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         encode_version_negotiation=packet_mod.encode_quic_version_negotiation,
         packet_type_initial=packet_mod.QuicPacketType.INITIAL,
         unsent_bytes=unsent,
+        bytes_in_flight=in_flight,
         datagrams_to_send=datagrams,
         bidi_credit=credit,
         close_event=_close_event,
