@@ -21,6 +21,7 @@ from kvcs.adapters.cachefile import (
     CacheLayers,
     check_out_path,
     destination_layers,
+    full_range_integers,
     llama_descriptor,
     load,
     open_layers,
@@ -357,6 +358,30 @@ def test_synthetic_layers_jump_or_draw_to_v(dtype: str, layers: int, tokens: int
     got = synthetic_layers(desc, tokens, 9).load()
     assert np.array_equal(got.k.view(np.uint8), whole.k.view(np.uint8))
     assert np.array_equal(got.v.view(np.uint8), whole.v.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("shape", [(2, 3, 16), (1, 1, 5), (3, 7), (0,)])
+@pytest.mark.parametrize("half_used", [False, True])
+def test_full_range_integers_are_numpys(
+    dtype: Any, shape: tuple[int, ...], half_used: bool
+) -> None:
+    # the raw-output path (whole 64-bit outputs, none half used) and the fallback both
+    # give numpy's own values, and the generator goes on to the same next draws
+    want_gen, got_gen = np.random.default_rng(21), np.random.default_rng(21)
+    if half_used:  # one 32-bit draw leaves half an output waiting
+        want_gen.integers(0, 2**32, dtype=np.uint32)
+        got_gen.integers(0, 2**32, dtype=np.uint32)
+    dt = np.dtype(dtype)
+    want = want_gen.integers(0, np.iinfo(dt).max + 1, size=shape, dtype=dt)
+    got = full_range_integers(got_gen, shape, dt)
+    assert got.dtype == dt and got.shape == want.shape
+    assert np.array_equal(got, want)
+    assert np.array_equal(got_gen.integers(0, 1000, size=9), want_gen.integers(0, 1000, size=9))
+    assert np.array_equal(
+        got_gen.integers(0, 2**32, size=3, dtype=np.uint32),
+        want_gen.integers(0, 2**32, size=3, dtype=np.uint32),
+    )
 
 
 def test_synthetic_layers_hold_one_layer(big_cache: CacheFile) -> None:
