@@ -100,6 +100,7 @@ from bench_quic_transfer import (  # noqa: E402  (shared worker plumbing)
     StdinLines,
     digest_of,
     emit,
+    feed_batch,
     fmt,
     section_streams,
     table,
@@ -562,18 +563,22 @@ class Forwarder:
                 if not mask & selectors.EVENT_READ:
                     continue
                 now = time.monotonic()
-                for data, addr in udp.recv_batch():
-                    if udp is self.up_udp:
-                        self.up.receive_datagram(data, addr, now)
-                        continue
-                    conn = self.accepted.get(addr)
-                    if conn is None:
+                batch = udp.recv_batch()
+                if udp is self.up_udp:
+                    feed_batch(self.stack, self.up, batch, now)
+                    continue
+                for data, addr in batch:
+                    if addr not in self.accepted:
                         header = self.stack.pull_header(data, self.cfg.connection_id_length)
-                        conn = self.accepted[addr] = self.stack.connection(
+                        self.accepted[addr] = self.stack.connection(
                             configuration=self.cfg,
                             original_destination_connection_id=header.destination_cid,
                         )
-                    conn.receive_datagram(data, addr, now)
+                by_addr: dict[Any, list[tuple[bytes, Any]]] = {}
+                for data, addr in batch:
+                    by_addr.setdefault(addr, []).append((data, addr))
+                for addr, run in by_addr.items():
+                    feed_batch(self.stack, self.accepted[addr], run, now)
             now = time.monotonic()
             source, sink = self.source, self.sink
             for conn, _ in self.conns():

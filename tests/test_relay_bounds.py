@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from relay_net import RelayNet, payload, track
 
+from kvcs_core.moqt.events import Delivery, ObjectReceived
 from kvcs_core.moqt.track_store import TrackStore
 from kvcs_core.relay import Relay, RelayConfig
 from kvcs_core.relay.cache import GROUP_OVERHEAD, Cache, GroupSet
@@ -332,3 +333,30 @@ def test_nothing_follows_the_last_location() -> None:
     assert next_after(Location(3, MAX_VI64)) == Location(4, 0)
     assert next_after(Location(MAX_VI64, MAX_VI64 - 1)) == Location(MAX_VI64, MAX_VI64)
     assert next_after(Location(MAX_VI64, MAX_VI64)) is None
+
+
+def test_the_cache_keeps_payloads_in_buffers_of_their_own() -> None:
+    """A received payload that is a view into a larger chunk is kept as a copy, so the
+    chunk is not pinned while the object is cached; a view spanning its whole buffer is
+    kept as it is (cache docstring, "Payload buffers")."""
+    cache = Cache(budget=10_000_000, evict_to=0.9)
+    entry = cache.add(TrackStore(track("own")))
+    chunk = bytes(range(256)) * 64  # one transport chunk holding two payloads and more
+    whole = bytes(5000)
+
+    def received(obj: int, view: memoryview) -> ObjectReceived:
+        return ObjectReceived.trusted(
+            1, Delivery.SUBSCRIPTION, Location(0, obj), 0, 128, ObjectStatus.NORMAL, (), view, 1
+        )
+
+    shared = memoryview(chunk)
+    for obj, view in enumerate((shared[100:4100], shared[4100:9000], memoryview(whole))):
+        assert cache.append(entry, received(obj, view)) is not None
+    kept = [entry.store.get(Location(0, o)) for o in range(3)]
+    assert all(o is not None for o in kept)
+    first, second, third = (o.payload for o in kept if o is not None)
+    assert bytes(first) == chunk[100:4100] and bytes(second) == chunk[4100:9000]
+    assert first.obj is not chunk and second.obj is not chunk
+    assert len(first.obj) == 4000 and len(second.obj) == 4900  # type: ignore[arg-type]
+    assert third.obj is whole  # already its own buffer: no copy
+    assert cache.buffer_bytes == 4000 + 4900 + 5000

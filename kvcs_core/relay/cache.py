@@ -65,6 +65,15 @@ served downstream by the sessions with ``accept_subscribe`` / ``accept_fetch``
   O(Group IDs): a peer choosing Group 2^62 makes nothing iterate to it.
   Groups evicted again while a re-fetch of them is in flight stay evicted when
   it completes.
+* **Payload buffers.** A received payload is often a view into a larger
+  transport chunk (a stack that hands over a batch of datagrams' stream data at
+  once delivers chunks holding several objects and parts of others). The
+  cache keeps such a payload as a copy in a buffer of its own, and a view that
+  spans its whole buffer as it is: a cached view would pin its whole chunk for
+  as long as the object is cached, and chunks pinned among freed ones leave the
+  process holding far more than the cache (measured: a relay's peak RSS 415
+  -> 375 MiB for a 256 MiB cache on qh3). One copy of the payload is kept
+  either way; the chunk is freed once the session lets go of it.
 * **Snapshots and queues are counted too.** A session serving a fill or a
   FETCH takes a *snapshot* of the range (references to the stored objects;
   :mod:`kvcs_core.moqt.publishing`), and a live subscription queues the
@@ -123,6 +132,15 @@ def _kvps_cost(props: KeyValuePairs) -> int:
     return sum(
         PROPERTY_OVERHEAD + (len(kv.value) if isinstance(kv.value, bytes) else 0) for kv in props
     )
+
+
+def _own_buffer(view: memoryview) -> memoryview:
+    """``view`` itself when it spans its whole buffer, else a copy in a buffer of its own
+    (module docstring, "Payload buffers")."""
+    base = view.obj
+    if isinstance(base, bytes | bytearray) and len(base) == view.nbytes:
+        return view
+    return memoryview(bytes(view)) if view.nbytes else view
 
 
 def _buffer_of(view: memoryview) -> tuple[int, int]:
@@ -396,7 +414,8 @@ class Cache:
         entry.last_used = self._tick
 
     def append(self, entry: CacheEntry, e: ObjectReceived) -> StoredObject | None:
-        """Cache one upstream object as received (payload view kept, not copied).
+        """Cache one upstream object as received (its payload kept by reference where the
+        view spans its buffer, else copied: module docstring, "Payload buffers").
 
         The caller keeps the budget with ``evict(tier_of, keep=<the result>)`` afterwards.
 
@@ -410,7 +429,7 @@ class Cache:
         """
         store = entry.store
         before_n = len(store)
-        payload = e.payload
+        payload = _own_buffer(e.payload)
         size = payload.nbytes
         self.received_bytes += size
         self.received_objects += 1

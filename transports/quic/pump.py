@@ -204,12 +204,22 @@ class SessionPump:
         """Hand one datagram to QUIC, leaving what it caused to :meth:`process_events`
         (so that a batch of datagrams costs one round of event handling); ``False`` when
         the stack has failed."""
+        return self.feed_datagrams([data], addr, now)
+
+    def feed_datagrams(self, datagrams: list[bytes], addr: Any, now: float) -> bool:
+        """:meth:`feed_datagram` for datagrams from one address, in order: in one call
+        where the stack takes a batch (:attr:`.stack.QuicStack.receive_many`)."""
         if self._stack_failed:
             return False
         self.peer = addr
         self._last_heard = now
+        many = self.stack.receive_many
         try:
-            self.quic.receive_datagram(data, addr, now)
+            if many is not None and len(datagrams) > 1:
+                many(self.quic, datagrams, addr, now)
+            else:
+                for data in datagrams:
+                    self.quic.receive_datagram(data, addr, now)
         except Exception as exc:  # a stack failure ends this connection only
             self._on_stack_failure("receive_datagram", exc, now)
             return False

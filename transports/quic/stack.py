@@ -126,6 +126,10 @@ class QuicStack:
     """``(connection) -> bytes sent and neither acknowledged nor declared lost`` (what the
     stack's congestion controller counts: sent stream data stays in the stack's send
     buffer at least that long); 0 where the stack does not tell."""
+    receive_many: Callable[[Any, list[bytes], Any, float], None] | None = None
+    """``(connection, datagrams, address, now)``: datagrams from one address in one call
+    (qh3's ``receive_many_datagrams``: one crossing into its native core per batch
+    instead of a Python wrapper per datagram); ``None``: one ``receive_datagram`` each."""
     bidi_credit: Callable[[Any], int | None] = attrs.field(default=lambda conn: None)
     """``(connection) -> bidirectional streams the peer allows us in total`` (its
     cumulative MAX_STREAMS), ``None`` where the stack does not tell."""
@@ -152,6 +156,10 @@ def _aioquic_unsent(conn: Any, stream_id: int) -> int:
 
 def _qh3_unsent(conn: Any, stream_id: int) -> int:
     return int(conn.get_send_buffer_size(stream_id))
+
+
+def _qh3_receive_many(conn: Any, datagrams: list[bytes], addr: Any, now: float) -> None:
+    conn.receive_many_datagrams(datagrams, addr, now)
 
 
 def _aioquic_in_flight(conn: Any) -> int:
@@ -343,6 +351,7 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         buffer_cls = importlib.import_module("aioquic.buffer").Buffer
         unsent = _aioquic_unsent
         in_flight = _aioquic_in_flight
+        receive_many = None
         datagrams = _aioquic_datagrams
         credit = _aioquic_bidi_credit
         connection = _aioquic_connection(conn_mod.QuicConnection)
@@ -350,6 +359,7 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         buffer_cls = importlib.import_module("qh3._hazmat").Buffer
         unsent = _qh3_unsent
         in_flight = _qh3_in_flight
+        receive_many = _qh3_receive_many
         datagrams = _qh3_datagrams
         credit = _qh3_bidi_credit
         _qh3_more_streams(conn_mod)  # before any connection: a server's builds its core at once
@@ -374,6 +384,7 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         packet_type_initial=packet_mod.QuicPacketType.INITIAL,
         unsent_bytes=unsent,
         bytes_in_flight=in_flight,
+        receive_many=receive_many,
         datagrams_to_send=datagrams,
         bidi_credit=credit,
         close_event=_close_event,
