@@ -1,11 +1,14 @@
-"""The send window of a connection (``max_outstanding``, :mod:`kvcs.transports.quic.pump`).
+"""The send window of a connection (``max_outstanding``, :mod:`kvcs.transports.quic.pump`),
+and datagrams read together handed to qh3 in one call (``QuicStack.receive_many``).
 
 A publisher over real QUIC on 127.0.0.1 (aioquic and qh3) whose connection may hold at
 most 256 KiB in its stack, unsent or in flight, sends a cache of several MiB through a
 relay to a consumer: after every flush the producer's connection holds no more than that
 bound plus one write, it did hold data (the check looked at something), and the cache
 arrives bit for bit. The stacks report bytes in flight; a stack that cannot
-(``bytes_in_flight`` left at its default) reports 0.
+(``bytes_in_flight`` left at its default) reports 0. With qh3 the datagrams each
+endpoint reads together reach the connection in batches (``receive_many_datagrams``),
+and the cache still arrives bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from test_quic_inprocess import (
 
 from kvcs.adapters.numpy_kv import KvDestination, layer_sections
 from kvcs.transports.quic import asyncio_binding
+from kvcs.transports.quic import stack as stack_mod
 from kvcs.transports.quic.pump import DEFAULT_MAX_OUTSTANDING, SessionPump
 from kvcs.transports.quic.stack import QuicStack, load_stack
 from kvcs.transports.quic.tls import TlsConfig
@@ -111,3 +115,21 @@ async def _publish_with_window(stack: str, tls: TlsConfig, watched: list[Session
 
             await asyncio.gather(produce(), consume())
     assert _identical(source, dest, tokens), "not bit-identical"
+
+
+@pytest.mark.skipif(not HAVE_QH3, reason="no qh3")
+def test_qh3_takes_datagrams_read_together_in_one_call(
+    tls: TlsConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_stack("aioquic").receive_many is None  # aioquic: one call per datagram
+    sizes: list[int] = []
+    batched = stack_mod._qh3_receive_many
+
+    def counting(conn: Any, datagrams: list[bytes], addr: Any, now: float) -> None:
+        sizes.append(len(datagrams))
+        batched(conn, datagrams, addr, now)
+
+    monkeypatch.setattr(stack_mod, "_qh3_receive_many", counting)
+    assert load_stack("qh3").receive_many is counting
+    _run("asyncio", lambda: _publish_with_window(stack="qh3", tls=tls, watched=[]), 90)
+    assert sizes and max(sizes) > 1 and min(sizes) > 1, sizes[:20]
