@@ -43,13 +43,15 @@ from test_quic_inprocess import (
     WAIT,
     _identical,
     _publish_to_consumers,
+    _put_layers,
+    _retrieve_complete,
     _run,
     _source,
     _trusting,
     tls,
 )
 
-from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.numpy_kv import KvDestination
 from kvcs.transports.quic import asyncio_binding, pquic_binding, trio_binding
 from kvcs.transports.quic.pump import DEFAULT_MAX_UNSENT
 from kvcs.transports.quic.stack import StackUnavailable, load_stack
@@ -122,24 +124,12 @@ async def _publish_and_fetch(tls: TlsConfig, layers: int, tokens: int) -> dict[s
                 seen["samples"] += 1
 
             async def produce() -> None:
-                for layer in range(cd.layers):
-                    s = layer_sections(source.k[layer], source.v[layer], cd)
-                    await pub.put_layer(layer, s.k, s.v, timeout=WAIT)
-                    look()  # also right after each layer was queued (a busy loop runs the
-                    # sampler below rarely)
-                await pub.finish()
-                await pub.drained(timeout=WAIT)
+                # look also right after each layer was queued (a busy loop runs the sampler
+                # below rarely)
+                await _put_layers(pub, source, after_layer=look)
 
             async def consume() -> None:
-                r = consumer.retrieve_cache(
-                    source.descriptor,
-                    SCOPE_KEY,
-                    source.tokens,
-                    destinations=dest.buffer,
-                    require_authenticity=False,
-                )
-                result = await r.result(timeout=WAIT * 2)
-                assert result.complete, r.events
+                await _retrieve_complete(consumer, source, dest)
                 done.set()
 
             sampler = asyncio.ensure_future(sample())

@@ -110,6 +110,34 @@ def _trusting(tls: TlsConfig) -> TlsConfig:
 # --- publish through the relay to live and late consumers -----------------------------
 
 
+async def _put_layers(
+    pub: Any, source: CacheFile, after_layer: Callable[[], None] | None = None
+) -> None:
+    """Publish every layer of ``source`` on ``pub`` (``after_layer`` after each is queued),
+    finish, and wait until all of it went out."""
+    cd = source.cd
+    for layer in range(cd.layers):
+        s = layer_sections(source.k[layer], source.v[layer], cd)
+        await pub.put_layer(layer, s.k, s.v, timeout=WAIT)
+        if after_layer is not None:
+            after_layer()
+    await pub.finish()
+    await pub.drained(timeout=WAIT)
+
+
+async def _retrieve_complete(client: Any, source: CacheFile, dest: KvDestination) -> None:
+    """Retrieve ``source``'s cache into ``dest``; it must complete."""
+    r = client.retrieve_cache(
+        source.descriptor,
+        SCOPE_KEY,
+        source.tokens,
+        destinations=dest.buffer,
+        require_authenticity=False,
+    )
+    result = await r.result(timeout=WAIT * 2)
+    assert result.complete, r.events
+
+
 async def _consume(
     b: ModuleType, url: str, stack: str, tls: TlsConfig, source: CacheFile, ready: list[bool]
 ) -> KvDestination:

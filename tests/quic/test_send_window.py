@@ -22,13 +22,15 @@ from test_quic_inprocess import (
     SCOPE_KEY,
     WAIT,
     _identical,
+    _put_layers,
+    _retrieve_complete,
     _run,
     _source,
     _trusting,
     tls,
 )
 
-from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.numpy_kv import KvDestination
 from kvcs.transports.quic import asyncio_binding
 from kvcs.transports.quic import stack as stack_mod
 from kvcs.transports.quic.pump import DEFAULT_MAX_OUTSTANDING, SessionPump
@@ -95,25 +97,9 @@ async def _publish_with_window(stack: str, tls: TlsConfig, watched: list[Session
             watched.append(pump)
             pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
 
-            async def produce() -> None:
-                for layer in range(cd.layers):
-                    s = layer_sections(source.k[layer], source.v[layer], cd)
-                    await pub.put_layer(layer, s.k, s.v, timeout=WAIT)
-                await pub.finish()
-                await pub.drained(timeout=WAIT)
-
-            async def consume() -> None:
-                r = consumer.retrieve_cache(
-                    source.descriptor,
-                    SCOPE_KEY,
-                    source.tokens,
-                    destinations=dest.buffer,
-                    require_authenticity=False,
-                )
-                result = await r.result(timeout=WAIT * 2)
-                assert result.complete, r.events
-
-            await asyncio.gather(produce(), consume())
+            await asyncio.gather(
+                _put_layers(pub, source), _retrieve_complete(consumer, source, dest)
+            )
     assert _identical(source, dest, tokens), "not bit-identical"
 
 
