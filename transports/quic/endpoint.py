@@ -30,7 +30,11 @@ so both drivers (and any other loop) share it.
   and a reason phrase naming the limit (:data:`REFUSED_PER_ADDRESS`,
   :data:`REFUSED_FULL`), logged as a warning; a retransmitted Initial of the
   same attempt gets the same answer again without new work (a bounded record).
-  Each connection holds at most ``max_unsent`` unsent bytes in its stack;
+  Each connection holds at most ``max_unsent`` unsent bytes in its stack, and
+  at most ``max_outstanding`` unsent or unacknowledged; all of them together
+  hold about ``send_budget`` (each an even share, at least ``max_unsent``:
+  :meth:`QuicEndpoint._share_send_budget`), so a relay's send buffers stay a
+  fixed margin however many consumers it serves;
   :meth:`QuicEndpoint.service` loops a bounded number of rounds.
 * **Failure isolation.** Any exception raised while one connection is worked
   on (its stack, or what its events caused) ends that connection alone,
@@ -54,7 +58,7 @@ from kvcs_core.moqt.config import Role, SessionConfig
 from kvcs_core.moqt.events import SessionEvent
 from kvcs_core.moqt.session import MoqtSession
 
-from .pump import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSENT, SessionPump
+from .pump import DEFAULT_MAX_OUTSTANDING, DEFAULT_MAX_UNSENT, DEFAULT_SEND_BUDGET, SessionPump
 from .stack import QuicStack
 
 log = logging.getLogger("kvcs.quic")
@@ -128,6 +132,9 @@ class QuicEndpoint:
             its role (server connections) or is given per :meth:`connect`.
         max_unsent: per connection, see :class:`~.pump.SessionPump`.
         max_outstanding: per connection, see :class:`~.pump.SessionPump`.
+        send_budget: bytes all connections together may hold in their stacks' send
+            buffers (:data:`~.pump.DEFAULT_SEND_BUDGET`): each gets an even share,
+            at least ``max_unsent`` and at most ``max_outstanding``.
         max_connections: accepted or opened connections alive at once.
         max_connections_per_address: accepted connections alive at once from one
             IP address (capped at a quarter of ``max_connections``, at least 1).
@@ -145,6 +152,7 @@ class QuicEndpoint:
         session_config: Callable[[Role], SessionConfig] | None = None,
         max_unsent: int = DEFAULT_MAX_UNSENT,
         max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+        send_budget: int = DEFAULT_SEND_BUDGET,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
         webtransport: bool = False,
@@ -157,6 +165,7 @@ class QuicEndpoint:
         self.session_config = session_config or (lambda role: SessionConfig(role=role))
         self.max_unsent = max_unsent
         self.max_outstanding = max_outstanding
+        self.send_budget = send_budget
         self.max_connections = max_connections
         self.max_connections_per_address = max(
             1, min(max_connections_per_address, max_connections // 4)
@@ -459,7 +468,19 @@ class QuicEndpoint:
         )
         self.pumps.append(pump)
         self.accepted += 1
+        self._share_send_budget()
         return pump
+
+    def _share_send_budget(self) -> None:
+        """Give each connection an even share of ``send_budget`` as its send window (at
+        least ``max_unsent``, so each can always write; at most ``max_outstanding``),
+        whenever the number of connections changes. A connection that only receives
+        (a relay's publisher) holds no share in practice, only a bound on one."""
+        if not self.pumps:
+            return
+        share = max(self.max_unsent, self.send_budget // len(self.pumps))
+        for pump in self.pumps:
+            pump.window_share = min(share, self.max_outstanding)
 
     def _update_cids(self, pump: SessionPump) -> None:
         for issued, cid in pump.cid_changes:
@@ -470,7 +491,8 @@ class QuicEndpoint:
         pump.cid_changes.clear()
 
     def _reap(self) -> None:
-        for pump in [p for p in self.pumps if p.terminated and not p.events]:
+        ended = [p for p in self.pumps if p.terminated and not p.events]
+        for pump in ended:
             self.pumps.remove(pump)
             self.ended.append(pump)
             self.ended_total += 1
@@ -483,6 +505,8 @@ class QuicEndpoint:
                     self._by_host[host] = left
                 else:
                     self._by_host.pop(host, None)
+        if ended:
+            self._share_send_budget()
 
 
 def _host(addr: Any) -> Any:

@@ -36,6 +36,9 @@ come out.
   keeps them for retransmission) stay under ``max_outstanding``: a sender's
   memory per connection is bounded even when its peer grants large windows and
   acknowledges late (a consumer short of CPU), at the price of a send window.
+  The endpoint narrows that window to ``window_share`` when it holds several
+  connections (an even share of its ``send_budget``, :data:`DEFAULT_SEND_BUDGET`),
+  so the total is bounded however many consumers a relay serves.
   Chunks go to ``send_stream_data`` one by one (the stack copies them once
   into its send buffer; nothing is joined here).
 * **Events.** Session events are queued for the owner (the endpoint), which
@@ -103,6 +106,13 @@ DEFAULT_MAX_OUTSTANDING = 8 << 20
 yet acknowledged (8 MiB): the memory a sender spends per connection beyond what it
 caches, and its send window (8 MiB per round trip: 168 MB/s at 50 ms)."""
 
+DEFAULT_SEND_BUDGET = 16 << 20
+"""Bytes all the connections of one endpoint may hold in their stacks' send buffers
+together (16 MiB): each connection's window is an even share of it (never below
+``max_unsent``, never above ``max_outstanding``), so a relay fanning one cache out to
+many consumers spends a fixed margin beside its cache rather than a window per
+consumer (:class:`~.endpoint.QuicEndpoint`)."""
+
 ALPN_MISMATCH = 0x178
 """QUIC CRYPTO_ERROR(no_application_protocol): the peer did not agree on ``moqt-22``."""
 
@@ -151,6 +161,9 @@ class SessionPump:
         self.label = label
         self.max_unsent = max_unsent
         self.max_outstanding = max_outstanding
+        self.window_share: int | None = None
+        """The endpoint's share of its send budget for this connection (``None``: no
+        share set, ``max_outstanding`` alone bounds it)."""
         self.events: deque[SessionEvent] = deque()
         self.handshake_complete = False
         self.terminated = False
@@ -293,9 +306,12 @@ class SessionPump:
         if self.terminated or not self.handshake_complete:
             return 0
         unsent = self.unsent_bytes()
+        window = self.max_outstanding
+        if self.window_share is not None and self.window_share < window:
+            window = self.window_share
         budget = min(
             self.max_unsent - unsent,
-            self.max_outstanding - unsent - self.stack.bytes_in_flight(self.quic),
+            window - unsent - self.stack.bytes_in_flight(self.quic),
         )
         pulled = 0
         while budget > 0:
