@@ -13,8 +13,10 @@ head_dim 128, bfloat16, 16-token blocks, 32 KiB sections; ``--layers`` 32 and
 ``--mib`` 256 by default, in steps of one block of every layer).
 
 **kvcs**, the CLI as a user runs it: ``kvcs relay`` (``--upstream`` for the
-leaf of a tree), ``kvcs publish`` (to the root relay) and ``kvcs fetch`` (from
-the leaf), all ``--json``. The configurations (``--configs``, comma-separated
+leaf of a tree), ``kvcs publish --preload`` (to the root relay: it makes the
+cache and computes its ``--digest`` before connecting, as the raw sender has its
+bytes ready before its "go"; an inference engine's cache is in memory too) and
+``kvcs fetch`` (from the leaf), all ``--json``. The configurations (``--configs``, comma-separated
 names or ``fnmatch`` patterns, default every one):
 
 * ``paced`` / ``unpaced``: ``kvcs publish --layer-interval S`` (default 0.05 s,
@@ -315,7 +317,7 @@ def run_kvcs(args: argparse.Namespace, stack: str, cfg: Config) -> dict[str, Any
             leaf_cmd = [*relay_cmd, "--upstream", url, "--upstream-insecure"]
             leaf = start(procs, "leaf relay", leaf_cmd)
             fetch_url = wait_event(procs, leaf, "listening", START_TIMEOUT)["url"]
-        pub_cmd = kvcs("publish", url, "-k", "--json", "--digest", *cache_opts(args))
+        pub_cmd = kvcs("publish", url, "-k", "--json", "--digest", "--preload", *cache_opts(args))
         pub_cmd += ["--serve-for", str(3 * args.timeout), *transport_opts(args, stack)]
         if cfg.paced:
             pub_cmd += ["--layer-interval", str(args.layer_interval)]

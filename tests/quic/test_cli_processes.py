@@ -13,6 +13,7 @@ running (by PID) when the test ends; every wait has a deadline.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -28,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from kvcs.adapters.cachefile import llama_descriptor, synthetic_layers
+from kvcs.adapters.numpy_kv import layer_sections
 from kvcs.transports.quic.tls import self_signed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,6 +254,35 @@ def test_publish_to_concurrent_fetch_processes(procs: Procs) -> None:
         assert p.returncode == 0, p.args
     for name in ("publisher", "relay"):
         assert "Traceback" not in procs.stderr(name), procs.stderr(name)
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["one-layer-at-a-time", "preload"])
+def test_publish_digest_matches_what_fetch_received(procs: Procs, preload: bool) -> None:
+    # --digest of kvcs publish (computed before connecting with --preload, after the
+    # timing without) equals kvcs fetch --digest of what arrived, and of the other mode
+    _, url, _ = procs.relay("relay")
+    pub = procs.start(
+        "publisher", "publish", url, "-k", *CACHE, "--digest", "--serve-for", "60", "--json",
+        *(["--preload"] if preload else []),
+    )  # fmt: skip
+    published = read_event(pub, "published", RUN_TIMEOUT)
+    fetch = procs.start("fetch", *fetch_args(url, "-k", "--digest"))
+    out = procs.finish(fetch)
+    assert_bit_identical("fetch", fetch, out, procs)
+    done = next(d for d in json_lines(out) if d.get("event") == "done")
+    assert done["digest"] == published["digest"] == _cache_digest()
+
+
+def _cache_digest() -> str:
+    """SHA-256 of the sections of :data:`CACHE`, made here: per layer every K, then every V."""
+    desc = llama_descriptor(layers=6, kv_heads=2, head_dim=64)
+    source = synthetic_layers(desc, 64, 5)
+    h = hashlib.sha256()
+    for k, v in source.layers():
+        sections = layer_sections(k, v, source.cd)
+        for part in [*sections.k, *sections.v]:
+            h.update(memoryview(part).cast("B"))
+    return h.hexdigest()
 
 
 # --- a two-relay tree ----------------------------------------------------------------------

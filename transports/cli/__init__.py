@@ -195,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: add the SHA-256 of the published K/V sections ('digest')",
     )
     p.add_argument(
+        "--preload",
+        action="store_true",
+        help="read (or make) every layer of the cache and compute --digest before "
+        "connecting, so that the timing covers the transfer alone, as for an engine "
+        "whose cache is already in memory (default: one layer at a time as it is sent)",
+    )
+    p.add_argument(
         "--serve-for",
         type=float,
         metavar="S",

@@ -24,6 +24,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -380,6 +381,10 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     cd = cache.cd
     published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
     index_stride = index_options.publish_index_stride(args)  # checked before connecting
+    preloaded = _preload(cache, cd, published // cd.block_tokens) if args.preload else None
+    early_digest = None
+    if preloaded is not None and args.digest:
+        early_digest = _digest(part for sections in preloaded for part in _kv(sections))
     async with _connect(b, args) as client:
         try:
             pub = await client.publish_cache(
@@ -423,14 +428,22 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 extra=(("sent", client.pump.bytes_pulled),),
             )
 
-        async def produce() -> None:
+        def gathered() -> Iterator[Any]:
             # one layer of the source at a time: gathered once into section order (the
             # publisher keeps the sections, by reference), then let go; where the layout
             # allows views (one KV head) the sections are views of the layer just read
+            if preloaded is not None:
+                while preloaded:
+                    yield preloaded.pop(0)
+                return
+            for k, v in cache.layers():
+                sections = layer_sections(k, v, cd, blocks=blocks)
+                del k, v
+                yield sections
+
+        async def produce() -> None:
             try:
-                for layer, (k, v) in enumerate(cache.layers()):
-                    sections = layer_sections(k, v, cd, blocks=blocks)
-                    del k, v
+                for layer, sections in enumerate(gathered()):
                     size = sum(memoryview(x).nbytes for x in _kv(sections))
                     try:
                         await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
@@ -473,7 +486,9 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 Exit.FAILED,
             )
         extra = {}
-        if args.digest:
+        if early_digest is not None:
+            extra["digest"] = early_digest
+        elif args.digest:
             # the layers are read once more (one at a time), after the timing
             extra["digest"] = _digest(
                 part
@@ -516,6 +531,17 @@ async def _wait_subscribed(b: ModuleType, client: Any, pub: Any, seconds: float)
         await _wait(b, seconds, until=lambda: data_tracks <= subscribed or client.closed)
     finally:
         client.app.watchers.remove(watch)
+
+
+def _preload(cache: Any, cd: Any, blocks: int) -> list[Any]:
+    """``--preload``: every layer of the source gathered into section order now, before
+    connecting (the publisher keeps every layer's sections anyway: no more memory at
+    the peak, only sooner)."""
+    out = []
+    for k, v in cache.layers():
+        out.append(layer_sections(k, v, cd, blocks=blocks))
+        del k, v
+    return out
 
 
 def _kv(sections: Any) -> list[Any]:
