@@ -67,7 +67,9 @@ Figures per configuration (MB = 10**6 bytes):
 (``kvcs fetch``'s default stall, recovery and, unless ``--timeout`` is given,
 fetch timeouts), one line per run and a
 count of completed, bit-identical runs; the exit status is 1 unless all were.
-``--json FILE`` writes every run's figures. No figure is asserted.
+``--json FILE`` writes every run's figures (with ``--runs-consecutive``, again after each
+run, so a series stopped early keeps the failed runs' ``detail``: the processes' stderr); a
+failed run's line ends with the last line of that detail. No figure is asserted.
 """
 
 from __future__ import annotations
@@ -936,7 +938,9 @@ def raw_unavailable(stack: str) -> str | None:
 
 def line(k: dict[str, Any]) -> str:
     if not k["ok"]:
-        return f"FAILED ({k.get('error')})"
+        last = [x.strip() for x in str(k.get("detail") or "").splitlines() if x.strip()]
+        said = f"; last line of its detail: {last[-1][:300]}" if last else ""
+        return f"FAILED ({k.get('error')}){said}"
     first = "" if k.get("first") is None else f", 1st layer at {k['first']:.2f} s"
     return f"{mbps(k.get('rate'))} in {k['seconds']:.2f} s{first}, bit-identical"
 
@@ -955,6 +959,7 @@ def run_consecutive(args: argparse.Namespace, stacks: list[str], configs: list[C
                 completed += bool(k.get("complete"))
                 identical += bool(k["ok"])
                 print(f"  {stack} {cfg.name} {i}/{n}: {line(k)}", flush=True)
+                write_json(args, record)  # so far: a run stopped early keeps every detail
             all_ok = all_ok and identical == n
             summary.append((stack, cfg.name, f"{completed}/{n}", f"{identical}/{n}"))
     print()
