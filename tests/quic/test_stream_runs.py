@@ -11,34 +11,19 @@ feeds its session fewer ``StreamData`` events than its stack reported.
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_quic_inprocess import (
-    HAVE_QH3,
-    SCOPE_KEY,
-    WAIT,
-    _identical,
-    _put_layers,
-    _retrieve_complete,
-    _run,
-    _source,
-    _trusting,
-    tls,
-)
+from test_quic_inprocess import _run, tls
+from test_send_window import STACKS, _publish_with_window  # a cache through a relay
 
-from kvcs.adapters.numpy_kv import KvDestination
-from kvcs.transports.quic import asyncio_binding
 from kvcs.transports.quic.pump import SessionPump
 from kvcs.transports.quic.stack import load_stack
 from kvcs.transports.quic.tls import TlsConfig
 from kvcs_core.moqt.transport_io import StreamAborted, StreamData, StreamOpened
 
 __all__ = ["tls"]  # fixture
-
-STACKS = ["aioquic", pytest.param("qh3", marks=pytest.mark.skipif(not HAVE_QH3, reason="no qh3"))]
 
 
 class _Connection:
@@ -148,24 +133,6 @@ def test_stream_data_is_fed_in_fewer_pieces_and_arrives_intact(
 
     monkeypatch.setattr(SessionPump, "_take_quic_events", take)
     monkeypatch.setattr(SessionPump, "_feed", feed)
-    _run("asyncio", lambda: _through_a_relay(stack, tls), 90)
+    _run("asyncio", lambda: _publish_with_window(stack, tls, watched=[]), 90)
     assert counts["fed"] > 0
     assert counts["fed"] < counts["reported"], counts
-
-
-async def _through_a_relay(stack: str, tls: TlsConfig) -> None:
-    b = asyncio_binding
-    layers, tokens = 8, 1024
-    source = _source(layers=layers, tokens=tokens)
-    dest = KvDestination(source.cd, tokens)
-    async with b.serve_relay("127.0.0.1:0", tls=tls, stack=stack) as server:
-        url = server.url
-        async with (
-            b.connect(url, tls=_trusting(tls), stack=stack, timeout=WAIT) as producer,
-            b.connect(url, tls=_trusting(tls), stack=stack, timeout=WAIT) as consumer,
-        ):
-            pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
-            await asyncio.gather(
-                _put_layers(pub, source), _retrieve_complete(consumer, source, dest)
-            )
-    assert _identical(source, dest, tokens), "not bit-identical"
