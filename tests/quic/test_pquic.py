@@ -5,7 +5,8 @@ with the relay and the clients on different stacks (aioquic, qh3), bit for
 bit; the unsent bound of a publishing connection; a connection with unsent
 bytes below that bound still waited on (drain signal and recheck timer armed);
 writes that aiopquic refuses for want of ring space (held and retried in
-order). As separate processes:
+order); a relay and a consumer whose eventfd wake-ups are taken away, read by
+the drivers' fallback read alone. As separate processes:
 ``kvcs relay/publish/fetch/ls --stack pquic``, and an unpaced publish of 8 MiB
 through a relay process. And the one-line refusals: trio,
 and a missing aiopquic.
@@ -140,6 +141,44 @@ async def _publish_and_fetch(tls: TlsConfig, layers: int, tokens: int) -> dict[s
                 await sampler
     assert _identical(source, dest, tokens), "not bit-identical"
     return seen
+
+
+@needs_pquic
+def test_connections_are_read_even_when_picoquic_signals_nothing(tls: TlsConfig) -> None:
+    """aiopquic's eventfd wake-ups are taken away from the relay (its server engine) and
+    from the consumer: only the drivers' fallback read (``RX_RECHECK``) reads them, and
+    the cache still arrives bit for bit, those reads counting what they found."""
+    found = _run("asyncio", lambda: _without_signals(tls))
+    assert found["relay"] > 0 and found["consumer"] > 0, found
+
+
+async def _without_signals(tls: TlsConfig) -> dict[str, int]:
+    b = asyncio_binding
+    layers, tokens = 4, 256
+    source = _source(layers=layers, tokens=tokens)
+    dest = KvDestination(source.cd, tokens)
+    loop = asyncio.get_running_loop()
+    async with b.serve_relay("127.0.0.1:0", tls=tls, stack="pquic") as server:
+        url = server.url
+        relay_driver: Any = server.driver
+        loop.remove_reader(relay_driver._engine.eventfd)
+        async with (
+            b.connect(url, tls=_trusting(tls), stack="pquic", timeout=WAIT) as producer,
+            b.connect(url, tls=_trusting(tls), stack="pquic", timeout=WAIT) as consumer,
+        ):
+            consumer_driver: Any = consumer.driver
+            for fd in consumer_driver._clients.values():
+                loop.remove_reader(fd)
+            pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
+            await asyncio.gather(
+                _put_layers(pub, source), _retrieve_complete(consumer, source, dest)
+            )
+            found = {
+                "relay": relay_driver.lost_signals,
+                "consumer": consumer_driver.lost_signals,
+            }
+    assert _identical(source, dest, tokens), "not bit-identical"
+    return found
 
 
 @needs_pquic
