@@ -381,7 +381,9 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
     cd = cache.cd
     published = tokens_to_publish(len(cache.tokens), cd.block_tokens, "publish")
     index_stride = index_options.publish_index_stride(args)  # checked before connecting
-    preloaded = _preload(cache, cd, published // cd.block_tokens) if args.preload else None
+    # --preload: every layer gathered now, before connecting (the publisher keeps every
+    # layer's sections anyway: no more memory at the peak, only sooner)
+    preloaded = list(_gathered(cache, cd, published // cd.block_tokens)) if args.preload else None
     early_digest = None
     if preloaded is not None and args.digest:
         early_digest = _digest(part for sections in preloaded for part in _kv(sections))
@@ -428,22 +430,16 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
                 extra=(("sent", client.pump.bytes_pulled),),
             )
 
-        def gathered() -> Iterator[Any]:
-            # one layer of the source at a time: gathered once into section order (the
-            # publisher keeps the sections, by reference), then let go; where the layout
-            # allows views (one KV head) the sections are views of the layer just read
-            if preloaded is not None:
-                while preloaded:
-                    yield preloaded.pop(0)
+        def layers() -> Iterator[Any]:
+            if preloaded is None:
+                yield from _gathered(cache, cd, blocks)
                 return
-            for k, v in cache.layers():
-                sections = layer_sections(k, v, cd, blocks=blocks)
-                del k, v
-                yield sections
+            while preloaded:  # each let go here once the publisher has it
+                yield preloaded.pop(0)
 
         async def produce() -> None:
             try:
-                for layer, sections in enumerate(gathered()):
+                for layer, sections in enumerate(layers()):
                     size = sum(memoryview(x).nbytes for x in _kv(sections))
                     try:
                         await pub.put_layer(layer, sections.k, sections.v, timeout=args.timeout * 6)
@@ -491,9 +487,7 @@ async def publish(b: ModuleType, args: argparse.Namespace) -> int:
         elif args.digest:
             # the layers are read once more (one at a time), after the timing
             extra["digest"] = _digest(
-                part
-                for k, v in cache.layers()
-                for part in _kv(layer_sections(k, v, cd, blocks=blocks))
+                part for sections in _gathered(cache, cd, blocks) for part in _kv(sections)
             )
         report(
             args,
@@ -533,15 +527,14 @@ async def _wait_subscribed(b: ModuleType, client: Any, pub: Any, seconds: float)
         client.app.watchers.remove(watch)
 
 
-def _preload(cache: Any, cd: Any, blocks: int) -> list[Any]:
-    """``--preload``: every layer of the source gathered into section order now, before
-    connecting (the publisher keeps every layer's sections anyway: no more memory at
-    the peak, only sooner)."""
-    out = []
+def _gathered(cache: Any, cd: Any, blocks: int) -> Iterator[Any]:
+    """The source one layer at a time, each gathered once into section order (the
+    publisher keeps the sections, by reference) and the layer read then let go; where
+    the layout allows views (one KV head) the sections are views of that layer."""
     for k, v in cache.layers():
-        out.append(layer_sections(k, v, cd, blocks=blocks))
+        sections = layer_sections(k, v, cd, blocks=blocks)
         del k, v
-    return out
+        yield sections
 
 
 def _kv(sections: Any) -> list[Any]:
