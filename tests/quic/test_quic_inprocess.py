@@ -125,15 +125,21 @@ async def _put_layers(
     await pub.drained(timeout=WAIT)
 
 
-async def _retrieve_complete(client: Any, source: CacheFile, dest: KvDestination) -> None:
-    """Retrieve ``source``'s cache into ``dest``; it must complete."""
-    r = client.retrieve_cache(
+def _start_retrieval(client: Any, source: CacheFile, dest: KvDestination) -> Any:
+    """``client`` starts retrieving ``source``'s cache into ``dest`` (unsigned manifests
+    accepted); the running retrieval."""
+    return client.retrieve_cache(
         source.descriptor,
         SCOPE_KEY,
         source.tokens,
         destinations=dest.buffer,
         require_authenticity=False,
     )
+
+
+async def _retrieve_complete(client: Any, source: CacheFile, dest: KvDestination) -> None:
+    """Retrieve ``source``'s cache into ``dest``; it must complete."""
+    r = _start_retrieval(client, source, dest)
     result = await r.result(timeout=WAIT * 2)
     assert result.complete, r.events
 
@@ -145,13 +151,7 @@ async def _consume(
     cd = source.cd
     dest = KvDestination(cd, TOKENS)
     async with b.connect(url, tls=_trusting(tls), stack=stack, timeout=WAIT) as client:
-        r = client.retrieve_cache(
-            source.descriptor,
-            SCOPE_KEY,
-            source.tokens,
-            destinations=dest.buffer,
-            require_authenticity=False,
-        )
+        r = _start_retrieval(client, source, dest)
         layers: list[int] = []
 
         async def watch() -> None:
