@@ -569,15 +569,17 @@ class PquicDriver(AsyncioDriving):
             log.warning("pquic: endpoint service failed: %r", exc)
             waiting = []
         deadline = endpoint.get_timer()
+        # the soonest look that applies (BACKPRESSURE_RECHECK < RX_RECHECK < RX_RECHECK_IDLE)
         if waiting:
-            recheck = now + BACKPRESSURE_RECHECK
-            deadline = recheck if deadline is None else min(deadline, recheck)
-        if any(not pump.terminated for pump in endpoint.pumps):  # "Lost signals"
-            recheck = now + RX_RECHECK
-            deadline = recheck if deadline is None else min(deadline, recheck)
+            recheck: float | None = BACKPRESSURE_RECHECK
+        elif any(not pump.terminated for pump in endpoint.pumps):  # "Lost signals"
+            recheck = RX_RECHECK
         elif self._engine is not None:  # a server without connections: new ones, slower
-            recheck = now + RX_RECHECK_IDLE
-            deadline = recheck if deadline is None else min(deadline, recheck)
+            recheck = RX_RECHECK_IDLE
+        else:
+            recheck = None
+        if recheck is not None:
+            deadline = now + recheck if deadline is None else min(deadline, now + recheck)
         if deadline != self._timer_at:
             if self._timer is not None:
                 self._timer.cancel()
