@@ -24,7 +24,6 @@ import contextlib
 import io
 import json
 import math
-import stat
 import struct
 import typing
 import zipfile
@@ -35,6 +34,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvcs.adapters.files import MAX_CACHE_BYTES, MAX_TOKENS, CacheFileError, file_kind
 from kvcs.adapters.numpy_kv import KvDestination, engine_dtype
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 
@@ -52,10 +52,6 @@ _TOKEN_DTYPES: dict[str, np.dtype[Any]] = {
     "I64": np.dtype("<i8"),
 }
 _MAX_HEADER = 16 * 1024 * 1024
-MAX_CACHE_BYTES = 1 << 36
-"""The largest cache file read (64 GiB), and the most octets ``k`` or ``v`` may declare."""
-MAX_TOKENS = 1 << 24
-"""The most tokens a cache file may declare (16 Mi)."""
 _MAX_SMALL = 16 * 1024 * 1024
 """The most octets the ``descriptor`` member may declare."""
 _MAX_RATIO = 256
@@ -64,10 +60,6 @@ barely compresses, and a zip bomb is refused before anything is inflated."""
 _NPY_HEADER_MAX = 64 * 1024
 _CHUNK = 1 << 20
 _SUFFIXES = (".npz", ".safetensors")
-
-
-class CacheFileError(ValueError):
-    """A cache file is missing, unreadable or inconsistent."""
 
 
 @attrs.frozen(eq=False)
@@ -195,30 +187,6 @@ def _layer_pairs(source: CacheFile | CacheLayers) -> Iterator[LayerPair]:
     if isinstance(source, CacheLayers):
         return source.layers()
     return zip(source.k, source.v, strict=True)
-
-
-def file_kind(path: Path) -> str | None:
-    """What ``path`` is when it is not a regular file ("no such file", "a directory", "a
-    FIFO", ...), else None. Only ``stat``: a FIFO is never opened (it would block)."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return "no such file"
-    except OSError as exc:
-        return f"cannot be examined ({exc.strerror or exc})"
-    mode = st.st_mode
-    if stat.S_ISREG(mode):
-        return None
-    for test, what in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return what
-    return "not a regular file"
 
 
 def _check_file(path: Path, max_bytes: int) -> int:

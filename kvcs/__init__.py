@@ -34,42 +34,101 @@ This module is the public, typed API (asyncio). ``import kvcs`` gives:
 Below this API: ``kvcs.transports`` (the QUIC and loopback bindings, the
 ``kvcs`` command), ``kvcs.adapters`` (numpy, cache files) and the pure, sans-I/O
 core ``kvcs_core``, which the names above come from.
+
+Importing :mod:`kvcs` is cheap: each name is imported from its module the first time it
+is used (PEP 562), so a process that never touches, say, the numpy adapter never imports
+numpy (a relay holds no arrays: it saves the interpreter about 20 MiB and the start-up
+its import costs).
 """
 
-from kvcs.adapters.cachefile import (
-    CacheFile,
-    CacheFileError,
-    llama_descriptor,
-    load,
-    save,
-    synthetic,
-)
-from kvcs.adapters.numpy_kv import KvDestination, LayerSections, layer_sections
-from kvcs.transports.quic.api import (
-    CachePublication,
-    CacheRetrieval,
-    ConnectError,
-    MoqtClient,
-    RelayServer,
-    RetrievalFailed,
-)
-from kvcs.transports.quic.asyncio_binding import connect, serve_relay
-from kvcs.transports.quic.config import UrlError
-from kvcs.transports.quic.reconnect import Backoff
-from kvcs.transports.quic.stack import StackUnavailable
-from kvcs.transports.quic.tls import TlsConfig, TlsError, self_signed
-from kvcs_core.kvcs.consumer import (
-    ConsumerConfig,
-    IndexOptions,
-    LayerReady,
-    RecomputeNeeded,
-    RetrievalComplete,
-    TrackSelection,
-)
-from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError, TrackOffer
-from kvcs_core.kvsp import CompatibilityDescriptor, DescriptorError
-from kvcs_core.moqt.errors import LocalProtocolError
-from kvcs_core.relay.config import RelayConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what each name is, for type checkers and IDEs
+    from kvcs.adapters.cachefile import CacheFile, llama_descriptor, load, save, synthetic
+    from kvcs.adapters.files import CacheFileError
+    from kvcs.adapters.numpy_kv import KvDestination, LayerSections, layer_sections
+    from kvcs.transports.quic.api import (
+        CachePublication,
+        CacheRetrieval,
+        ConnectError,
+        MoqtClient,
+        RelayServer,
+        RetrievalFailed,
+    )
+    from kvcs.transports.quic.asyncio_binding import connect, serve_relay
+    from kvcs.transports.quic.config import UrlError
+    from kvcs.transports.quic.reconnect import Backoff
+    from kvcs.transports.quic.stack import StackUnavailable
+    from kvcs.transports.quic.tls import TlsConfig, TlsError, self_signed
+    from kvcs_core.kvcs.consumer import (
+        ConsumerConfig,
+        IndexOptions,
+        LayerReady,
+        RecomputeNeeded,
+        RetrievalComplete,
+        TrackSelection,
+    )
+    from kvcs_core.kvcs.publisher import ManifestSigner, PublisherError, TrackOffer
+    from kvcs_core.kvsp import CompatibilityDescriptor, DescriptorError
+    from kvcs_core.moqt.errors import LocalProtocolError
+    from kvcs_core.relay.config import RelayConfig
+
+_HOMES: dict[str, str] = {
+    "Backoff": "kvcs.transports.quic.reconnect",
+    "CacheFile": "kvcs.adapters.cachefile",
+    "CacheFileError": "kvcs.adapters.files",
+    "CachePublication": "kvcs.transports.quic.api",
+    "CacheRetrieval": "kvcs.transports.quic.api",
+    "CompatibilityDescriptor": "kvcs_core.kvsp",
+    "connect": "kvcs.transports.quic.asyncio_binding",
+    "ConnectError": "kvcs.transports.quic.api",
+    "ConsumerConfig": "kvcs_core.kvcs.consumer",
+    "DescriptorError": "kvcs_core.kvsp",
+    "IndexOptions": "kvcs_core.kvcs.consumer",
+    "KvDestination": "kvcs.adapters.numpy_kv",
+    "layer_sections": "kvcs.adapters.numpy_kv",
+    "LayerReady": "kvcs_core.kvcs.consumer",
+    "LayerSections": "kvcs.adapters.numpy_kv",
+    "llama_descriptor": "kvcs.adapters.cachefile",
+    "load": "kvcs.adapters.cachefile",
+    "LocalProtocolError": "kvcs_core.moqt.errors",
+    "ManifestSigner": "kvcs_core.kvcs.publisher",
+    "MoqtClient": "kvcs.transports.quic.api",
+    "PublisherError": "kvcs_core.kvcs.publisher",
+    "RecomputeNeeded": "kvcs_core.kvcs.consumer",
+    "RelayConfig": "kvcs_core.relay.config",
+    "RelayServer": "kvcs.transports.quic.api",
+    "RetrievalComplete": "kvcs_core.kvcs.consumer",
+    "RetrievalFailed": "kvcs.transports.quic.api",
+    "save": "kvcs.adapters.cachefile",
+    "self_signed": "kvcs.transports.quic.tls",
+    "serve_relay": "kvcs.transports.quic.asyncio_binding",
+    "StackUnavailable": "kvcs.transports.quic.stack",
+    "synthetic": "kvcs.adapters.cachefile",
+    "TlsConfig": "kvcs.transports.quic.tls",
+    "TlsError": "kvcs.transports.quic.tls",
+    "TrackOffer": "kvcs_core.kvcs.publisher",
+    "TrackSelection": "kvcs_core.kvcs.consumer",
+    "UrlError": "kvcs.transports.quic.config",
+}
+"""Where each public name lives (its module is imported on first use)."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvcs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Backoff",

@@ -55,7 +55,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvcs.adapters.cachefile import file_kind
+from kvcs.adapters.files import file_kind
 from kvcs_core.wire.codes import ALPN
 
 from . import commands, config, demo, index_options, model, token

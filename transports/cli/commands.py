@@ -27,18 +27,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives import serialization
 
-from kvcs.adapters.cachefile import (
-    CacheFileError,
-    check_out_path,
-    destination_layers,
-    same_bits,
-    save_layers,
-)
-from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+from kvcs.adapters.files import CacheFileError
 from kvcs.transports.quic.api import CacheRetrieval, ConnectError
 from kvcs.transports.quic.config import parse_hostport
 from kvcs.transports.quic.metrics import (
@@ -85,6 +78,12 @@ from .common import (
 )
 from .progress import Sample, TransferProgress, tick
 from .token import relay_authorizer
+
+if TYPE_CHECKING:
+    from kvcs.adapters.numpy_kv import KvDestination
+
+# numpy and the cache files are imported by publish and fetch, not here (common.py: `kvcs
+# relay` never loads them)
 
 log = logging.getLogger("kvcs.cli")
 
@@ -531,6 +530,8 @@ def _gathered(cache: Any, cd: Any, blocks: int) -> Iterator[Any]:
     """The source one layer at a time, each gathered once into section order (the
     publisher keeps the sections, by reference) and the layer read then let go; where
     the layout allows views (one KV head) the sections are views of that layer."""
+    from kvcs.adapters.numpy_kv import layer_sections
+
     for k, v in cache.layers():
         sections = layer_sections(k, v, cd, blocks=blocks)
         del k, v
@@ -590,6 +591,9 @@ def load_producer_keys(args: argparse.Namespace) -> dict[bytes, Any] | None:
 
 
 async def fetch(b: ModuleType, args: argparse.Namespace) -> int:
+    from kvcs.adapters.cachefile import check_out_path
+    from kvcs.adapters.numpy_kv import KvDestination
+
     prompt = fetch_prompt(args)  # the prompt (and, for --verify, the expected bits if known)
     tokens = prompt.tokens if args.prompt_tokens is None else prompt.tokens[: args.prompt_tokens]
     key = scope_key(args)
@@ -740,6 +744,8 @@ def _warn_discarded(retrieval: CacheRetrieval, seen: int, args: argparse.Namespa
 def finish_fetch(
     args: argparse.Namespace, prompt: Prompt, dest: KvDestination, outcome: dict[str, Any]
 ) -> int:
+    from kvcs.adapters.cachefile import destination_layers, same_bits, save_layers
+
     result: RetrievalComplete | None = outcome["result"]
     cd = prompt.cd
     blocks = result.blocks if result is not None else 0

@@ -18,22 +18,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
-import trio
 
-from kvcs.adapters.cachefile import (
-    MAX_TOKENS,
-    CacheFileError,
-    CacheLayers,
-    file_kind,
-    llama_descriptor,
-    open_layers,
-    synthetic_layers,
-)
-from kvcs.transports.quic import asyncio_binding, trio_binding
+from kvcs.adapters.files import MAX_TOKENS, CacheFileError, file_kind
+from kvcs.transports.quic import asyncio_binding
 from kvcs.transports.quic.api import ConnectError
 from kvcs.transports.quic.config import DEFAULT_IDLE_TIMEOUT, UrlError
 from kvcs.transports.quic.groups import single_errors
@@ -44,6 +34,13 @@ from kvcs_core.auth.cat import token_from_text
 from kvcs_core.kvsp.descriptor import CompatibilityDescriptor
 from kvcs_core.secobj import DEFAULT_SUITE, SUITE_NAMES, CipherSuite
 from kvcs_core.wire.names import TrackNamespace
+
+if TYPE_CHECKING:
+    from kvcs.adapters.cachefile import CacheLayers
+
+# numpy, the cache files and trio are imported where they are used, not here: ``kvcs
+# relay`` holds no arrays and runs on asyncio unless told otherwise, and each of them
+# costs an idle process 10-20 MiB and part of a second to start.
 
 log = logging.getLogger("kvcs.cli")
 
@@ -381,6 +378,8 @@ def cache_source(args: argparse.Namespace) -> CacheLayers:
     and V read one layer at a time (never held whole beside the publisher's sections or
     the consumer's destination). A file is read through once here, one layer in memory at
     a time, so that a truncated or corrupt one is refused before any transfer."""
+    from kvcs.adapters.cachefile import llama_descriptor, open_layers, synthetic_layers
+
     if args.file is not None:
         try:
             source = open_layers(args.file)
@@ -451,6 +450,8 @@ def load_descriptor(path: Path, what: str) -> dict[str, Any]:
         CliError: status 5: missing, unreadable, not JSON, not a valid descriptor.
     """
     if path.suffix in (".npz", ".safetensors"):
+        from kvcs.adapters.cachefile import open_layers
+
         try:
             return dict(open_layers(path).descriptor)
         except CacheFileError as exc:
@@ -499,6 +500,8 @@ def load_tokens(path: Path) -> tuple[int, ...]:
     if path.suffix == ".npy":
         if not raw.startswith(b"\x93NUMPY"):
             raise CliError(f"{what}: not an .npy file", Exit.FILE)
+        import numpy as np
+
         try:
             array = np.load(io.BytesIO(raw), allow_pickle=False)
         except Exception as exc:  # numpy raises many kinds on a malformed file
@@ -553,6 +556,8 @@ def write_tokens(path: Path, tokens: Sequence[int]) -> None:
     """
     try:
         if path.suffix == ".npy":
+            import numpy as np
+
             with path.open("wb") as f:  # a file object: numpy would append .npy to a name
                 np.save(f, np.asarray(tokens, dtype=np.uint32), allow_pickle=False)
         elif path.suffix == ".json":
@@ -567,6 +572,8 @@ def descriptor_command(args: argparse.Namespace) -> int:
     """``kvcs descriptor CACHE``: the cache file's descriptor as JSON (stdout or ``--out``),
     and with ``--tokens-out`` its token IDs: what a consumer's ``kvcs fetch --tokens-file
     --descriptor`` needs."""
+    from kvcs.adapters.cachefile import open_layers
+
     try:
         cache = open_layers(args.cache)
     except CacheFileError as exc:
@@ -629,7 +636,11 @@ def client_tls(args: argparse.Namespace) -> TlsConfig:
 
 
 def binding(args: argparse.Namespace) -> ModuleType:
-    return trio_binding if args.loop == "trio" else asyncio_binding
+    if args.loop == "trio":
+        from kvcs.transports.quic import trio_binding
+
+        return trio_binding
+    return asyncio_binding
 
 
 # --- running -------------------------------------------------------------------------------
@@ -640,6 +651,8 @@ def run(args: argparse.Namespace, main: Callable[[ModuleType], Awaitable[int]]) 
     b = binding(args)
     try:
         if args.loop == "trio":
+            import trio
+
             with single_errors():  # trio >= 0.25 groups every error (kvcs.transports.quic.groups)
                 return int(trio.run(main, b))
         return asyncio.run(main(b))  # type: ignore[arg-type]

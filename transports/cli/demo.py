@@ -41,18 +41,20 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvcs.adapters.cachefile import CacheFile, llama_descriptor, same_bits, synthetic
-from kvcs.adapters.numpy_kv import KvDestination, layer_sections
 from kvcs.transports.quic.api import CacheRetrieval, MoqtClient
 from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.consumer import ManifestAccepted, ObjectDiscarded, PublicationSelected
 
 from .common import CliError, Exit, Progress
 from .config import child_environment
+
+if TYPE_CHECKING:
+    from kvcs.adapters.cachefile import CacheFile
+    from kvcs.adapters.numpy_kv import KvDestination
 
 SCOPE_KEY = bytes(range(32))
 RELAY_START_TIMEOUT = 30.0
@@ -114,6 +116,8 @@ class Consumer:
 
 
 async def demo(b: ModuleType, args: argparse.Namespace) -> int:
+    from kvcs.adapters.cachefile import llama_descriptor, synthetic
+
     desc = llama_descriptor(layers=args.layers)
     if args.tokens < 2 * desc["block_tokens"]:
         raise CliError("--tokens must cover at least two blocks", Exit.USAGE)
@@ -212,6 +216,8 @@ async def wait_line(b: ModuleType, proc: subprocess.Popen[str]) -> str:
 
 
 async def run_demo(b: ModuleType, args: argparse.Namespace, url: str, source: CacheFile) -> int:
+    from kvcs.adapters.numpy_kv import KvDestination, layer_sections
+
     cd = source.cd
     tls = TlsConfig(verify=False)  # the relay's certificate is self-signed for this run
     blocks = len(source.tokens) // cd.block_tokens
@@ -324,6 +330,8 @@ async def retrieve(
     ready: list[bool],
     timeout: float,
 ) -> None:
+    from kvcs.adapters.cachefile import same_bits
+
     c.started = time.monotonic()
     r = client.retrieve_cache(
         source.descriptor,

@@ -40,8 +40,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import trio
-
 from kvcs.transports.quic import asyncio_binding
 from kvcs_core.kvcs.consumer import ConsumerConfig, PublicationSelected, TrackSelection
 from kvcs_core.kvcs.publisher import RAW_KV, PublisherError, TrackOffer
@@ -216,10 +214,10 @@ def _imports() -> tuple[ModuleType, ModuleType, ModuleType]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
-        import torch  # noqa: PLC0415  (optional: kvcs[transformers])
-        import transformers  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415
+        import torch  # optional: kvcs[transformers]
+        import transformers  # type: ignore[import-not-found, unused-ignore]
 
-        from kvcs.adapters import transformers_kv  # noqa: PLC0415
+        from kvcs.adapters import transformers_kv
     except ImportError as exc:
         raise CliError(
             f"this command needs torch and transformers ({exc.name or exc} is missing): "
@@ -313,6 +311,8 @@ def _is_asyncio(b: ModuleType) -> bool:
 async def _in_thread(b: ModuleType, fn: Any) -> Any:
     if _is_asyncio(b):
         return await asyncio.to_thread(fn)
+    import trio  # on trio only: an asyncio process never loads it
+
     return await trio.to_thread.run_sync(fn)
 
 
@@ -325,12 +325,16 @@ class _Handoff:
             self.loop = asyncio.get_running_loop()
             self.queue: asyncio.Queue[Any] = asyncio.Queue()
         else:
+            import trio
+
             self.send, self.recv = trio.open_memory_channel[Any](math.inf)
 
     def put(self, item: Any) -> None:
         if self.asyncio:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         else:
+            import trio
+
             trio.from_thread.run_sync(self.send.send_nowait, item)
 
     async def get(self) -> Any:
@@ -342,7 +346,7 @@ class _Handoff:
 def _greedy(loaded: Loaded, cache: Any, n: int, stamp: list[float]) -> tuple[list[int], Any]:
     """``generate()`` greedily for ``n`` tokens: the new tokens and the logits of each step;
     ``stamp`` gets the time of the first new token."""
-    from transformers.generation.streamers import (  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415
+    from transformers.generation.streamers import (  # type: ignore[import-not-found, unused-ignore]
         BaseStreamer,
     )
 
@@ -488,7 +492,7 @@ async def generate(b: ModuleType, args: argparse.Namespace) -> int:
             f"block of {cd.block_tokens}",
             Exit.USAGE,
         )
-    from kvcs.adapters.torch_kv import TorchKvDestination  # noqa: PLC0415
+    from kvcs.adapters.torch_kv import TorchKvDestination
 
     dest = TorchKvDestination(cd, wanted)
     staging = tk.Q8Staging(cd, wanted) if args.codec == "q8" else None

@@ -33,9 +33,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
-from prometheus_client import start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import CollectorRegistry
 
 from .config import UrlError, parse_hostport
 
@@ -169,6 +166,10 @@ class RelayMetrics:
     """A Prometheus collector over the latest :class:`RelayCounters` (module docstring)."""
 
     def __init__(self, counters: RelayCounters | None = None) -> None:
+        # prometheus_client is imported here, by a relay given --metrics: the others never
+        # load it (about 10 MiB of an idle process)
+        from prometheus_client.registry import CollectorRegistry  # noqa: PLC0415
+
         self._counters = counters
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -181,6 +182,11 @@ class RelayMetrics:
 
     def collect(self) -> Iterator[Any]:
         """``prometheus_client``'s collector protocol (called on the HTTP thread)."""
+        from prometheus_client.core import (  # noqa: PLC0415  (loaded by __init__)
+            CounterMetricFamily,
+            GaugeMetricFamily,
+        )
+
         c = self._counters
         if c is None:
             return
@@ -213,6 +219,8 @@ class RelayMetrics:
     def serve(self, host: str, port: int) -> tuple[str, int]:
         """Serve ``/metrics`` over HTTP on ``host:port`` (port 0: any) from a daemon thread;
         the address bound. ``OSError`` when it cannot listen."""
+        from prometheus_client import start_http_server  # noqa: PLC0415  (as in __init__)
+
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         bound = self._server.server_address
         return str(bound[0]), int(bound[1])
