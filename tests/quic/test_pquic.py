@@ -6,7 +6,8 @@ bit; the unsent bound of a publishing connection; a connection with unsent
 bytes below that bound still waited on (drain signal and recheck timer armed);
 writes that aiopquic refuses for want of ring space (held and retried in
 order); a relay and a consumer whose eventfd wake-ups are taken away, read by
-the drivers' fallback read alone. As separate processes:
+the drivers' fallback read alone, and that read slowing down while every connection is
+quiet. As separate processes:
 ``kvcs relay/publish/fetch/ls --stack pquic``, and an unpaced publish of 8 MiB
 through a relay process. And the one-line refusals: trio,
 and a missing aiopquic.
@@ -179,6 +180,45 @@ async def _without_signals(tls: TlsConfig) -> dict[str, int]:
             }
     assert _identical(source, dest, tokens), "not bit-identical"
     return found
+
+
+@needs_pquic
+def test_quiet_connections_are_read_back_slowly_and_a_new_event_speeds_it_up(
+    tls: TlsConfig,
+) -> None:
+    """Past ``RX_QUIET_AFTER`` without events, the fallback read runs every
+    ``RX_RECHECK_IDLE`` (not every ``RX_RECHECK``) on the relay and on a client; a
+    cache published afterwards still arrives bit for bit."""
+    reads = _run("asyncio", lambda: _quiet_then_busy(tls))
+    window = 1.5
+    slow = window / pquic_binding.RX_RECHECK_IDLE + 2  # 5 at most; 32 at the fast pace
+    assert reads["relay"] <= slow and reads["client"] <= slow, reads
+
+
+async def _quiet_then_busy(tls: TlsConfig) -> dict[str, int]:
+    b = asyncio_binding
+    source = _source(layers=2, tokens=64)
+    dest = KvDestination(source.cd, 64)
+    async with b.serve_relay("127.0.0.1:0", tls=tls, stack="pquic") as server:
+        relay_driver: Any = server.driver
+        async with (
+            b.connect(server.url, tls=_trusting(tls), stack="pquic", timeout=WAIT) as producer,
+            b.connect(server.url, tls=_trusting(tls), stack="pquic", timeout=WAIT) as consumer,
+        ):
+            client_driver: Any = consumer.driver
+            await asyncio.sleep(pquic_binding.RX_QUIET_AFTER + 0.2)  # nothing happens
+            before = (relay_driver.fallback_reads, client_driver.fallback_reads)
+            await asyncio.sleep(1.5)
+            reads = {
+                "relay": relay_driver.fallback_reads - before[0],
+                "client": client_driver.fallback_reads - before[1],
+            }
+            pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
+            await asyncio.gather(
+                _put_layers(pub, source), _retrieve_complete(consumer, source, dest)
+            )
+    assert _identical(source, dest, 64), "not bit-identical"
+    return reads
 
 
 @needs_pquic

@@ -49,7 +49,10 @@ and no timers to run, so the sans-I/O part of kvcs (:class:`~.endpoint.QuicEndpo
   With it, 40 of 40 such runs completed; the reads that find something are
   counted (``PquicDriver.lost_signals``, an upper bound: a signal may just not
   have been handled yet) and logged at debug level. Where aiopquic loses the
-  signal was not found.
+  signal was not found. Once no connection has had an event for
+  :data:`RX_QUIET_AFTER` seconds, the fallback read slows to
+  :data:`RX_RECHECK_IDLE`: an idle relay or client wakes twice a second, not
+  twenty times, and the first event takes it back to :data:`RX_RECHECK`.
 * **Stream credit.** picoquic keeps the peer's MAX_STREAMS to itself and
   holds a stream opened beyond it until credit arrives (RFC 9000 section 4.6);
   no :class:`~kvcs_core.moqt.transport_io.StreamCredit` is reported, so the
@@ -119,7 +122,12 @@ RX_RECHECK = 0.05
 nothing (module docstring, "Lost signals")."""
 
 RX_RECHECK_IDLE = 0.5
-"""The same for a server without connections (a new connection's first events)."""
+"""The same for a server without connections (a new connection's first events), and for
+connections that have been quiet for :data:`RX_QUIET_AFTER` seconds."""
+
+RX_QUIET_AFTER = 1.0
+"""Seconds without any event on any connection after which the fallback read slows from
+:data:`RX_RECHECK` to :data:`RX_RECHECK_IDLE` (module docstring, "Lost signals")."""
 
 CONNECTION_REFUSED = 0x2
 """QUIC CONNECTION_REFUSED (RFC 9000 section 20.1)."""
@@ -478,6 +486,11 @@ class PquicDriver(AsyncioDriving):
         self._clients: dict[SessionPump, int] = {}
         self.lost_signals = 0
         """Fallback reads that found events waiting (their signal lost, or not handled yet)."""
+        self.fallback_reads = 0
+        """Fallback reads so far (module docstring, "Lost signals")."""
+        self._events_seen = 0
+        self._last_event_at = self.now()
+        """When an event was last taken from any connection (the fallback read's pace)."""
         endpoint.on_client = self._watch_client
         endpoint.on_gone = self._forget
 
@@ -569,12 +582,13 @@ class PquicDriver(AsyncioDriving):
             log.warning("pquic: endpoint service failed: %r", exc)
             waiting = []
         deadline = endpoint.get_timer()
+        live = any(not pump.terminated for pump in endpoint.pumps)
         # the soonest look that applies (BACKPRESSURE_RECHECK < RX_RECHECK < RX_RECHECK_IDLE)
         if waiting:
             recheck: float | None = BACKPRESSURE_RECHECK
-        elif any(not pump.terminated for pump in endpoint.pumps):  # "Lost signals"
+        elif live and not self._quiet(now):  # "Lost signals"
             recheck = RX_RECHECK
-        elif self._engine is not None:  # a server without connections: new ones, slower
+        elif live or self._engine is not None:  # quiet, or a server without connections
             recheck = RX_RECHECK_IDLE
         else:
             recheck = None
@@ -589,6 +603,14 @@ class PquicDriver(AsyncioDriving):
             self._timer_at = deadline
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    def _quiet(self, now: float) -> bool:
+        """No connection has had an event for :data:`RX_QUIET_AFTER` seconds."""
+        taken = sum(pump.quic.events_taken for pump in self.endpoint.pumps)
+        if taken != self._events_seen:
+            self._events_seen = taken
+            self._last_event_at = now
+        return now - self._last_event_at >= RX_QUIET_AFTER
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -607,6 +629,7 @@ class PquicDriver(AsyncioDriving):
         live = [p for p in endpoint.pumps if not p.terminated]
         if not live and self._engine is None:
             return
+        self.fallback_reads += 1
         before = sum(p.quic.events_taken for p in live)
         if self._engine is not None:
             self._engine.drain_and_route()
