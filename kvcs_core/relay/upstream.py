@@ -85,7 +85,9 @@ downstream FETCHes share it) and caches what arrives. **Cut-through**: when the
 upstream FETCH_OK arrives (End Location known, d21 section 7.4) and the cache
 holds nothing of the range yet, every waiting downstream FETCH is answered with
 that End Location and End Of Track, and its stream follows the store, sending
-each object as it arrives (the store is marked *filling*); a FETCH of the same
+each object as it arrives (the store is marked *filling*; objects of the upstream
+FETCH that overtook its FETCH_OK on their own stream count as already delivered
+by it, so they do not turn cut-through off); a FETCH of the same
 range arriving later joins where the upstream one has got to (its snapshot is
 what arrived so far, in order). When the upstream FETCH ends, their streams FIN
 once drained, or are reset if it failed (INTERNAL_ERROR: never ended short as
@@ -470,6 +472,12 @@ class Upstream(RelayCore):
                 peer.orphans.setdefault(e.request_id, []).append(e)  # before PublishRequested
             return
         track = feed.track
+        if feed.purpose is FetchPurpose.SERVE:
+            # before the store check: objects that overtook FETCH_OK (another stream) go
+            # to ``early`` but were delivered by this FETCH all the same, and
+            # _start_streaming must know it, or it finds them cached and gives up
+            # cut-through until the whole upstream FETCH is in (module docstring, FETCH)
+            feed.delivered_to = e.location
         entry = track.entry
         if entry is None:
             track.early.append(e)
@@ -482,8 +490,6 @@ class Upstream(RelayCore):
                 sub.peer.session.advance(self._now)
         if feed.purpose is FetchPurpose.REFETCH:
             self._refetch_arrived(feed, e.payload.nbytes)
-        elif feed.purpose is FetchPurpose.SERVE:
-            feed.delivered_to = e.location
         if (
             entry.evicted
             and e.location.group in entry.evicted
