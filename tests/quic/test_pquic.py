@@ -49,6 +49,7 @@ from test_quic_inprocess import (
     _retrieve_complete,
     _run,
     _source,
+    _start_retrieval,
     _trusting,
     tls,
 )
@@ -250,13 +251,7 @@ async def _late_through_a_tree(tls: TlsConfig, layers: int) -> list[int]:
         pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
         await _put_layers(pub, source)  # complete at the producer, nothing pulled yet
         async with b.connect(leaf.url, tls=_trusting(tls), stack="pquic", timeout=WAIT) as consumer:
-            r = consumer.retrieve_cache(
-                source.descriptor,
-                SCOPE_KEY,
-                source.tokens,
-                destinations=dest.buffer,
-                require_authenticity=False,
-            )
+            r = _start_retrieval(consumer, source, dest)
             yielded = [layer async for layer in r]
             result = await r.result(timeout=WAIT * 2)
             assert result.complete, r.events
