@@ -898,6 +898,7 @@ def run_once(args: argparse.Namespace, stacks: list[str], configs: list[Config])
     if aio_reason is None and any(c == Config(False, True, 1) for c in configs):
         aio_reason = aiomoqt_unavailable()
     record: list[dict[str, Any]] = []
+    runs: list[tuple[str, Config, dict[str, Any], dict[int, dict[str, Any]], Any]] = []
     for run in range(1, args.repeat + 1):
         aio = None
         if aio_reason is None and any(c == Config(False, True, 1) for c in configs):
@@ -916,11 +917,84 @@ def run_once(args: argparse.Namespace, stacks: list[str], configs: list[Config])
                 record.append({"kind": "kvcs", "run": run, **k})
                 results.append((cfg, k))
                 print(f"  {stack} {cfg.name}: {line(k)}", flush=True)
+                runs.append((stack, cfg, k, raw, aio))
             print_run(args, stack, run, results, raw, aio, aio_reason)
             if args.raw and (why := raw_unavailable(stack)):
                 print(f"raw pipeline skipped for {stack}: {why}")
+    if args.repeat > 1:
+        print_medians(args, stacks, configs, runs)
     write_json(args, record)
     return 0
+
+
+def ok_rate(reference: dict[str, Any] | None) -> float | None:
+    return reference.get("rate") if reference and reference.get("ok") else None
+
+
+def median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def print_medians(
+    args: argparse.Namespace,
+    stacks: list[str],
+    configs: list[Config],
+    runs: list[tuple[str, Config, dict[str, Any], dict[int, dict[str, Any]], Any]],
+) -> None:
+    """One line per (stack, configuration) over the ``--repeat`` runs: each ratio is taken
+    within its own run (kvcs against the references measured in that run), then the
+    median of those ratios; this machine's references move by a third between runs."""
+    rows: list[tuple[str, ...]] = [
+        (
+            "stack",
+            "configuration",
+            "bit-identical",
+            "goodput (median)",
+            "vs raw (median of per-run)",
+            "vs aiomoqt (median)",
+            "1st layer / total (median)",
+        )
+    ]
+    for stack in stacks:
+        for cfg in configs:
+            mine = [(k, raw, aio) for s, c, k, raw, aio in runs if s == stack and c == cfg]
+            good = [(k, raw, aio) for k, raw, aio in mine if k["ok"]]
+            rates = [k["rate"] for k, _, _ in good if k.get("rate")]
+            vs_raw = [
+                r for k, raw, _ in good if (r := ratio(k.get("rate"), ok_rate(raw.get(cfg.hops))))
+            ]
+            vs_aio = [
+                r
+                for k, _, aio in good
+                if cfg == Config(paced=False, live=True, hops=1)
+                and aio
+                and aio.get("ok")
+                and (r := ratio(k.get("rate"), aio.get("rate"))) is not None
+            ]
+            firsts = [
+                k["first"] / k["seconds"]
+                for k, _, _ in good
+                if cfg.paced and cfg.live and k.get("first") is not None and k.get("seconds")
+            ]
+            rows.append(
+                (
+                    stack,
+                    cfg.name,
+                    f"{len(good)}/{len(mine)}",
+                    mbps(median(rates)),
+                    "n/a (paced)"
+                    if cfg.paced
+                    else f"{fmt(median(vs_raw), '.2f', 'x')} ({len(vs_raw)} runs)",
+                    f"{fmt(median(vs_aio), '.2f', 'x')} ({len(vs_aio)} runs)" if vs_aio else "",
+                    f"{fmt(median(firsts), '.2f')} ({len(firsts)} runs)" if firsts else "",
+                )
+            )
+    print(f"\n=== medians over {args.repeat} runs ===")
+    table(rows)
 
 
 def raw_unavailable(stack: str) -> str | None:
