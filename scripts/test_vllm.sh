@@ -93,5 +93,5 @@ fi
 INSTALLED=$((SECONDS - START))
 
 section "[vllm] pytest tests/vllm"
-"$V" -m pytest -q -p no:cacheprovider --durations=5 tests/vllm
+"$V" -m pytest -q -p no:cacheprovider --durations=5 -n "${KVCS_TEST_WORKERS:-2}" --dist loadfile tests/vllm
 echo "vLLM connector: install ${INSTALLED}s, tests $((SECONDS - START - INSTALLED))s"
