@@ -231,13 +231,9 @@ class InprocRelay:
     async def _serve(self) -> None:
         asyncio.get_running_loop().set_exception_handler(self._loop_error)
         tls = self_signed(self.tmp / "our-relay-cert")
-        # aioquic, not the default qh3: qh3 2.1's server loses part of its first handshake
-        # flight to aioquic clients (aiomoqt's), which then wait for a retransmission
-        # (transports/quic/stack.py); under a loaded full run that pushed aiomoqt's own
-        # case timeouts over the edge. These tests are about the MOQT wire, not the stack.
-        async with asyncio_binding.serve_relay(
-            "127.0.0.1:0", tls=tls, stack="aioquic"
-        ) as server:
+        # the default stack, qh3: aiomoqt's (picoquic) clients reach it after a Retry
+        # (transports/quic/stack.py)
+        async with asyncio_binding.serve_relay("127.0.0.1:0", tls=tls) as server:
             app = server.driver.endpoint.app
             handle = app.handle_session_event
 

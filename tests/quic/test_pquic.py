@@ -88,12 +88,13 @@ def test_publish_through_pquic_relay_live_and_late_consumers(tls: TlsConfig) -> 
         ("aioquic", "pquic"),
         ("pquic", "aioquic"),
         pytest.param("pquic", "qh3", marks=_QH3),
+        pytest.param("qh3", "pquic", marks=_QH3),
     ],
 )
 def test_pquic_with_other_stacks(relay_stack: str, client_stack: str, tls: TlsConfig) -> None:
-    """A pquic relay serves aioquic and qh3 clients; pquic clients use an aioquic relay.
-    (A pquic client and a qh3 relay: see the report in the module doc of
-    :mod:`kvcs.transports.quic.pquic_binding`.)"""
+    """A pquic relay serves aioquic and qh3 clients; aioquic and qh3 relays serve pquic
+    clients (a qh3 relay validates a picoquic client's address with a Retry first:
+    :mod:`kvcs.transports.quic.stack`; without it the handshake never completed)."""
     _run(
         "asyncio",
         lambda: _publish_to_consumers(asyncio_binding, client_stack, tls, relay_stack),

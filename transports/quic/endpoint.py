@@ -16,6 +16,14 @@ so both drivers (and any other loop) share it.
   a connection for a new Initial of at least 1200 bytes, answers an unknown
   QUIC version with Version Negotiation, and drops everything else. A client
   endpoint can hold several outgoing connections on its one socket.
+* **Address validation** (RFC 9000 section 8.1.2): a stack that needs it
+  (:attr:`.stack.QuicStack.retry`: qh3, for clients that pad their first datagram
+  after the Initial packet, see :mod:`.stack`) answers such a new Initial with a
+  Retry carrying a token that binds the client's address and the connection IDs;
+  the client's next Initial returns it and the connection is created with the
+  address validated. Nothing is held between the two: the token is encrypted and
+  authenticated with the endpoint's own key (made on the first Retry), and one
+  that does not validate (another server's, another address's) counts as no token.
 * **Sessions.** Each connection carries one :class:`MoqtSession` through a
   :class:`~.pump.SessionPump`. The :class:`Application` (a relay, a
   publisher, a consumer, or several) is told of each new connection and gets
@@ -48,6 +56,7 @@ so both drivers (and any other loop) share it.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -190,6 +199,9 @@ class QuicEndpoint:
         self._refusals: dict[bytes, list[bytes]] = {}
         self._serial = 0
         self._pending_vn: list[tuple[bytes, Any]] = []
+        self.retries = 0
+        """Retry packets sent so far (address validation, module docstring)."""
+        self._retry_tokens: Any = None
         self._now = 0.0
         """The latest time an input carried (for work that is given none)."""
 
@@ -396,6 +408,9 @@ class QuicEndpoint:
             return None
         if header.packet_type != self.stack.packet_type_initial or len(data) < SMALLEST_INITIAL:
             return None
+        validated = self._validated(data, header, addr)
+        if validated is None:
+            return None
         host = _host(addr)
         held = self._by_host.get(host, 0)
         if held >= self.max_connections_per_address:
@@ -410,10 +425,7 @@ class QuicEndpoint:
         if len(self.pumps) >= self.max_connections:
             self._refuse(data, header, addr, now, f"{REFUSED_FULL} (limit {self.max_connections})")
             return None
-        quic = self.stack.connection(
-            configuration=self.configuration,
-            original_destination_connection_id=header.destination_cid,
-        )
+        quic = self.stack.connection(configuration=self.configuration, **validated)
         pump = self._adopt(quic, self.session_config(Role.SERVER), now)
         pump.peer = addr
         self._by_host[host] = held + 1
@@ -421,6 +433,40 @@ class QuicEndpoint:
         self._by_cid[header.destination_cid] = pump
         pump.cid_changes.append((True, quic.host_cid))
         return pump
+
+    def _validated(self, data: bytes, header: Any, addr: Any) -> dict[str, bytes] | None:
+        """The connection IDs a new server connection is created with, or ``None`` when a
+        Retry was queued instead (address validation, module docstring)."""
+        ids = {"original_destination_connection_id": header.destination_cid}
+        kit = self.stack.retry
+        if kit is None:
+            return ids
+        if header.token and self._retry_tokens is not None:
+            try:
+                odcid, retry_scid = self._retry_tokens.validate_token(addr, header.token)
+            except ValueError as exc:  # not ours, or not for this address: as if none
+                log.debug("Retry token from %s does not validate: %s", _host(addr), exc)
+            else:
+                return {
+                    "original_destination_connection_id": odcid,
+                    "retry_source_connection_id": retry_scid,
+                }
+        if not kit.needed(data, self.configuration.connection_id_length):
+            return ids
+        if self._retry_tokens is None:
+            self._retry_tokens = kit.token_handler()
+        retry_scid = secrets.token_bytes(self.configuration.connection_id_length)
+        token = self._retry_tokens.create_token(addr, header.destination_cid, retry_scid)
+        packet = kit.encode_retry(
+            version=header.version,
+            source_cid=retry_scid,
+            destination_cid=header.source_cid,
+            original_destination_cid=header.destination_cid,
+            retry_token=token,
+        )
+        self._pending_vn.append((packet, addr))  # sent from service(), as refusals are
+        self.retries += 1
+        return None
 
     def _refuse(self, data: bytes, header: Any, addr: Any, now: float, reason: str) -> None:
         """Answer a new connection's Initial with CONNECTION_CLOSE CONNECTION_REFUSED."""

@@ -74,14 +74,14 @@ and no timers to run, so the sans-I/O part of kvcs (:class:`~.endpoint.QuicEndpo
   would share it silently);
   the reason phrase of our CONNECTION_CLOSE is not sent (aiopquic takes a
   code only); ``max_datagram_size`` is picoquic's own (path MTU discovery).
-* **Known: a pquic client and a qh3 2.1 server.** With picoquic's default
-  (classic) key exchange the handshake does not complete: qh3's
-  ``poll_transmit`` raises "packet builder capacity exhausted" on every call
-  after its first datagram, so its certificate flight never goes out, while
-  picoquic repeats its Initial about a thousand times a second (the CPU the
-  client burns). Offering X25519MLKEM768 first completes it in 0.2 s, but an
-  aioquic 1.7 server refuses that ClientHello (CRYPTO_ERROR 0x128), so the
-  default is left as it is.
+* **A pquic client and a qh3 2.1 server.** qh3 credits a client's first
+  datagram with its Initial packet alone, not the padding picoquic puts after
+  it, so its anti-amplification budget was too small for a ServerHello Initial
+  picoquic accepts, and the handshake never completed (qh3's ``poll_transmit``
+  raising "packet builder capacity exhausted", picoquic repeating its Initial
+  about a thousand times a second). A qh3 endpoint now validates such a
+  client's address with a Retry first (:mod:`.stack`, :mod:`.endpoint`), after
+  which no budget applies.
 """
 
 from __future__ import annotations

@@ -53,6 +53,24 @@ packets, and the kernel's per-packet work, of the client-to-server direction).
 advertise that size instead (RFC 9000 section 18.2: the largest UDP payload it
 is willing to receive; :mod:`.udp` reads datagrams of up to 64 KiB).
 
+And one qh3 2.1 fault is worked around with a standard mechanism: its server credits a
+client's datagrams, for the anti-amplification limit (RFC 9000 section 8.1: at most three
+times the bytes received before the client's address is validated), with the bytes of
+the QUIC packets it parsed, not with the whole UDP datagram, as the RFC counts them.
+picoquic and aioquic clients pad their first datagram with bytes after the Initial
+packet (RFC 9000 section 14.1 allows it), so a picoquic client's 1252-byte datagram
+counts as its 275-byte packet: qh3 then pads its ServerHello Initial to the 825 bytes
+it believes it may send, picoquic drops a server Initial under 1200 bytes, repeats its
+own, and the handshake never completes; qh3's builder also raises "packet builder
+capacity exhausted" whenever the budget left is smaller than its next 900-byte CRYPTO
+chunk. A server whose address validation is done has no such limit, so for a new
+client Initial whose datagram is longer than its QUIC packets
+(:func:`_qh3_undercounts`), a qh3 endpoint first answers with a Retry (RFC 9000
+section 8.1.2; :class:`RetryKit`, :class:`~.endpoint.QuicEndpoint`): the client's next
+Initial carries the token, proving its address, and the connection is created with
+the address validated. It costs such clients one round trip; qh3 clients (which pad
+inside the Initial packet) get no Retry.
+
 And one limit is raised: how many bidirectional streams the peer may have open at
 once. Every MOQT request is a bidirectional stream that stays open while the
 request lives, and a publication's KVSP index (binding 9) keeps one
@@ -107,6 +125,21 @@ class StackUnavailable(RuntimeError):
 
 
 @attrs.frozen
+class RetryKit:
+    """What a server needs to validate a client's address with a Retry (RFC 9000
+    section 8.1.2) before it creates the connection, and when to do it."""
+
+    encode_retry: Callable[..., bytes]
+    """The stack's ``encode_quic_retry(version=, source_cid=, destination_cid=,
+    original_destination_cid=, retry_token=)``."""
+    token_handler: Callable[[], Any]
+    """Makes the stack's ``QuicRetryTokenHandler`` (``create_token(addr, odcid, scid)``,
+    ``validate_token(addr, token) -> (odcid, scid)``, ``ValueError`` when invalid)."""
+    needed: Callable[[bytes, int], bool]
+    """``(first datagram, host CID length) -> whether to validate before accepting``."""
+
+
+@attrs.frozen
 class QuicStack:
     """The handful of names kvcs takes from a QUIC implementation."""
 
@@ -144,6 +177,9 @@ class QuicStack:
     endpoint: Callable[..., Any] | None = None
     """The endpoint class for this stack (``None``: :class:`~.endpoint.QuicEndpoint`); a
     stack that owns its sockets brings its own (:mod:`.pquic_binding`)."""
+    retry: RetryKit | None = None
+    """How a server of this stack validates clients' addresses with a Retry, ``None``:
+    it never does (module docstring: qh3 needs it for some clients)."""
 
 
 def _aioquic_unsent(conn: Any, stream_id: int) -> int:
@@ -223,6 +259,24 @@ QH3_CLIENT_MAX_UDP_PAYLOAD = 1472
 _TP_MAX_UDP_PAYLOAD_SIZE = 0x03
 _TP_INITIAL_MAX_STREAMS_BIDI = 0x08
 _TLS_EXT_QUIC_TRANSPORT_PARAMETERS = 0x39
+
+
+def _qh3_undercounts(
+    pull_header: Callable[[bytes, int], Any], data: bytes, cid_length: int
+) -> bool:
+    """Whether a qh3 server would credit less than ``data`` (a client's first datagram)
+    to the client's anti-amplification budget: the long-header packets in it, coalesced
+    one after another, end before the datagram does (module docstring)."""
+    offset = 0
+    while offset < len(data) and data[offset] & 0x80:
+        try:
+            length = int(pull_header(data[offset:], cid_length).packet_length)
+        except ValueError:
+            return True
+        if length <= 0:
+            return True
+        offset += length
+    return offset < len(data)
 
 
 def _pull_varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -369,6 +423,15 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
     def pull_header(data: bytes, cid_length: int) -> Any:
         return pull(buffer_cls(data=data), host_cid_length=cid_length)
 
+    retry = None
+    if name == "qh3":
+        retry_mod = importlib.import_module("qh3.quic.retry")
+        retry = RetryKit(
+            encode_retry=packet_mod.encode_quic_retry,
+            token_handler=retry_mod.QuicRetryTokenHandler,
+            needed=lambda data, cid_length: _qh3_undercounts(pull_header, data, cid_length),
+        )
+
     try:
         h3_mod: ModuleType | None = importlib.import_module(f"{name}.h3.connection")
         h3_events_mod: ModuleType | None = importlib.import_module(f"{name}.h3.events")
@@ -390,4 +453,5 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         close_event=_close_event,
         h3_connection=h3_mod.H3Connection if h3_mod is not None else None,
         h3_events=h3_events_mod,
+        retry=retry,
     )
