@@ -19,7 +19,6 @@ generated source once more, array by array, byte for byte.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +86,12 @@ def test_live_consumer_subscribes_through_aiomoqt_relay(peers: Any, tmp_path: Pa
     async def scenario() -> None:
         pub = peers.kvcs(
             "publish", "publish", url, "-k", *CACHE, "--layer-interval", "0.5",
-            "--serve-for", "30", "--json",
+            "--serve-for", "30", "--json", "--wait-for-subscriber", "20",
         )  # fmt: skip
         await proc_event(pub, "publishing", 30)
-        await asyncio.sleep(0.3)
+        # the first layer waits until the consumer's SUBSCRIBEs came through aiomoqt's
+        # relay (before: a consumer process slow to start on a loaded machine joined with
+        # one layer left, and the check below failed on timing alone)
         fetch = peers.kvcs(
             "fetch", "fetch", url, "-k", *CACHE, "--json", "--fetch-timeout", "30",
             "--out", str(out),
