@@ -133,6 +133,23 @@ def test_a_token_from_another_address_earns_a_new_retry(tls: TlsConfig) -> None:
     assert len(server.pumps) == 1 and server.retries == 2
 
 
+def test_a_token_that_does_not_decrypt_earns_a_new_retry(tls: TlsConfig) -> None:
+    """A forged token of the right size (qh3's handler raises its CryptoError, not a
+    ValueError, for it) is no token: a new Retry, no connection, nothing raised."""
+    st, client = _client("aioquic")
+    server = _qh3_server(tls)
+    (first, _), *_ = st.datagrams_to_send(client, 0.0)
+    server.receive_datagram(bytes(first), CLIENT, 0.0)
+    [(retry, _)] = server.service(0.0)
+    client.receive_datagram(bytes(retry), SERVER, 0.01)
+    second = bytes(st.datagrams_to_send(client, 0.01)[0][0])
+    token = st.pull_header(second, 8).token
+    forged = second.replace(token, bytes(b ^ 0x5A for b in token))
+    assert forged != second and st.pull_header(forged, 8).token != token
+    server.receive_datagram(forged, CLIENT, 0.02)
+    assert server.retries == 2 and not server.pumps
+
+
 def _connect_to_qh3_relay(tls: TlsConfig, client_stack: str) -> int:
     async def go() -> int:
         b = asyncio_binding

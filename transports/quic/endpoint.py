@@ -444,7 +444,10 @@ class QuicEndpoint:
         if header.token and self._retry_tokens is not None:
             try:
                 odcid, retry_scid = self._retry_tokens.validate_token(addr, header.token)
-            except ValueError as exc:  # not ours, or not for this address: as if none
+            except Exception as exc:
+                # not ours, or not for this address: as if none (any failure of the
+                # stack's check: qh3 raises ValueError, or for a token it cannot decrypt
+                # its CryptoError, which is no ValueError)
                 log.debug("Retry token from %s does not validate: %s", _host(addr), exc)
             else:
                 return {

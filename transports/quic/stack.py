@@ -134,7 +134,8 @@ class RetryKit:
     original_destination_cid=, retry_token=)``."""
     token_handler: Callable[[], Any]
     """Makes the stack's ``QuicRetryTokenHandler`` (``create_token(addr, odcid, scid)``,
-    ``validate_token(addr, token) -> (odcid, scid)``, ``ValueError`` when invalid)."""
+    ``validate_token(addr, token) -> (odcid, scid)``, raising when invalid: qh3 raises
+    ``ValueError`` or, for a token it cannot decrypt, its ``CryptoError``)."""
     needed: Callable[[bytes, int], bool]
     """``(first datagram, host CID length) -> whether to validate before accepting``."""
 
