@@ -789,8 +789,7 @@ def result_row(
     cfg: Config,
 ) -> tuple[str, ...]:
     rate = k.get("rate") if k["ok"] else None
-    ref = raw.get(cfg.hops)
-    ref_rate = ref.get("rate") if ref and ref["ok"] else None
+    ref_rate = ok_rate(raw.get(cfg.hops))
     vs_raw = ratio(rate, ref_rate)
     raw_goal = (
         "n/a (paced)"
@@ -799,7 +798,7 @@ def result_row(
     )
     aio_cell = aio_goal = ""
     if cfg == Config(paced=False, live=True, hops=1):
-        aio_rate = aio.get("rate") if aio and aio.get("ok") else None
+        aio_rate = ok_rate(aio)
         vs_aio = ratio(rate, aio_rate)
         aio_cell = f"{fmt(vs_aio, '.2f', 'x')} of {mbps(aio_rate)}"
         aio_goal = f"{verdict(vs_aio, AIOMOQT_GOAL, at_least=True)} >= {AIOMOQT_GOAL:g}x"
@@ -971,9 +970,7 @@ def print_medians(
                 r
                 for k, _, aio in good
                 if cfg == Config(paced=False, live=True, hops=1)
-                and aio
-                and aio.get("ok")
-                and (r := ratio(k.get("rate"), aio.get("rate"))) is not None
+                and (r := ratio(k.get("rate"), ok_rate(aio))) is not None
             ]
             firsts = [
                 k["first"] / k["seconds"]

@@ -19,12 +19,11 @@ from typing import Any
 import pytest
 
 from kvcs.transports.quic import asyncio_binding
+from kvcs.transports.quic.apps import ClientApp
 from kvcs.transports.quic.config import quic_configuration
 from kvcs.transports.quic.endpoint import QuicEndpoint
-from kvcs.transports.quic.pump import SessionPump
 from kvcs.transports.quic.stack import load_stack
 from kvcs.transports.quic.tls import TlsConfig, self_signed
-from kvcs_core.moqt.events import SessionEvent
 
 try:
     import aiopquic  # noqa: F401
@@ -37,22 +36,6 @@ SERVER = ("127.0.0.1", 4433)
 CLIENT = ("127.0.0.1", 50001)
 ELSEWHERE = ("127.0.0.9", 50001)
 WAIT = 10.0
-
-
-class _NoApp:
-    """An endpoint application that does nothing (only the handshake is looked at)."""
-
-    def connection_made(self, pump: SessionPump, now: float) -> None:
-        pass
-
-    def handle_session_event(self, pump: SessionPump, event: SessionEvent, now: float) -> None:
-        pass
-
-    def handle_timer(self, now: float) -> None:
-        pass
-
-    def get_timer(self) -> float | None:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +59,7 @@ def _first_datagram(stack_name: str) -> bytes:
 def _qh3_server(tls: TlsConfig) -> QuicEndpoint:
     st = load_stack("qh3")
     cfg = quic_configuration(st, is_client=False, tls=tls)
-    return QuicEndpoint(st, cfg, _NoApp())
+    return QuicEndpoint(st, cfg, ClientApp())  # no publishers: it only looks on
 
 
 def test_only_initials_padded_after_their_packet_need_validation() -> None:
@@ -114,7 +97,9 @@ def test_a_handshake_through_a_retry_completes_in_memory(tls: TlsConfig) -> None
     assert len(server.pumps) == 1
 
 
-def test_a_token_from_another_address_earns_a_new_retry(tls: TlsConfig) -> None:
+def _retried(tls: TlsConfig) -> tuple[QuicEndpoint, list[bytes]]:
+    """A qh3 endpoint that answered an aioquic client's first Initial (from ``CLIENT``)
+    with a Retry, and the client's datagrams that answer it (its Initial with the token)."""
     st, client = _client("aioquic")
     server = _qh3_server(tls)
     (first, _), *_ = st.datagrams_to_send(client, 0.0)
@@ -123,8 +108,12 @@ def test_a_token_from_another_address_earns_a_new_retry(tls: TlsConfig) -> None:
     assert server.retries == 1 and not server.pumps
     client.receive_datagram(bytes(retry), SERVER, 0.01)
     with_token = [bytes(d) for d, _ in st.datagrams_to_send(client, 0.01)]
-    header = st.pull_header(with_token[0], 8)
-    assert header.token, "the client's second Initial carries the Retry's token"
+    assert st.pull_header(with_token[0], 8).token, "the second Initial carries the token"
+    return server, with_token
+
+
+def test_a_token_from_another_address_earns_a_new_retry(tls: TlsConfig) -> None:
+    server, with_token = _retried(tls)
     for data in with_token:  # the token binds CLIENT's address, not this one
         server.receive_datagram(data, ELSEWHERE, 0.02)
     assert server.retries == 2 and not server.pumps
@@ -136,13 +125,9 @@ def test_a_token_from_another_address_earns_a_new_retry(tls: TlsConfig) -> None:
 def test_a_token_that_does_not_decrypt_earns_a_new_retry(tls: TlsConfig) -> None:
     """A forged token of the right size (qh3's handler raises its CryptoError, not a
     ValueError, for it) is no token: a new Retry, no connection, nothing raised."""
-    st, client = _client("aioquic")
-    server = _qh3_server(tls)
-    (first, _), *_ = st.datagrams_to_send(client, 0.0)
-    server.receive_datagram(bytes(first), CLIENT, 0.0)
-    [(retry, _)] = server.service(0.0)
-    client.receive_datagram(bytes(retry), SERVER, 0.01)
-    second = bytes(st.datagrams_to_send(client, 0.01)[0][0])
+    server, with_token = _retried(tls)
+    st = load_stack("aioquic")
+    second = with_token[0]
     token = st.pull_header(second, 8).token
     forged = second.replace(token, bytes(b ^ 0x5A for b in token))
     assert forged != second and st.pull_header(forged, 8).token != token
