@@ -29,7 +29,11 @@ cd "$(dirname "$0")/.."
 
 export PIP_ROOT_USER_ACTION=ignore
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-export PYTHONDONTWRITEBYTECODE=1
+# Byte code is written (and the package compiled once per interpreter after installing):
+# the suite starts some hundreds of `kvcs` processes, and without .pyc files each of them
+# compiled the whole package again from source, about a second per process here (the
+# repository ignores __pycache__/).
+unset PYTHONDONTWRITEBYTECODE
 FUZZ_SECONDS="${KVCS_FUZZ_SECONDS:-5}"
 # pytest workers (pytest-xdist, the test extra): 2 fit a 2-core machine; most tests wait
 # on processes and sockets, but more workers than cores only add contention (measured:
@@ -112,6 +116,7 @@ for py in "${PYTHONS[@]}"; do
     section "[$py] fresh virtual environment in $VENVS, pip install -e '.[test,fuzz,dev,docs]'"
     PY="$(fresh_venv "$py")"
     "$PY" --version
+    "$PY" -m compileall -q kvcs kvcs_core transports adapters >/dev/null
     "$PY" -m pip list 2>/dev/null \
         | grep -iE '^(trio|aioquic|qh3|aiopquic|cryptography|pycose|cbor2|attrs|numpy|atheris|pytest|hypothesis|pdoc) ' \
         | tr -s ' ' | paste -sd ',' - | sed 's/,/, /g'

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import attrs
 import pytest
 
 from kvcs.transports.quic import asyncio_binding
@@ -133,6 +134,23 @@ def test_a_token_that_does_not_decrypt_earns_a_new_retry(tls: TlsConfig) -> None
     assert forged != second and st.pull_header(forged, 8).token != token
     server.receive_datagram(forged, CLIENT, 0.02)
     assert server.retries == 2 and not server.pumps
+
+
+def test_a_retry_the_stack_cannot_build_lets_the_connection_go_ahead(tls: TlsConfig) -> None:
+    """When the stack fails to make the Retry, the endpoint does not raise into its
+    driver: the Initial makes an unvalidated connection, as before Retry existed."""
+    st, client = _client("aioquic")
+    server = _qh3_server(tls)
+    kit = server.stack.retry
+    assert kit is not None
+
+    def broken(**_: Any) -> bytes:
+        raise RuntimeError("no Retry today")
+
+    server.stack = attrs.evolve(server.stack, retry=attrs.evolve(kit, encode_retry=broken))
+    (first, _), *_ = st.datagrams_to_send(client, 0.0)
+    server.receive_datagram(bytes(first), CLIENT, 0.0)
+    assert server.retries == 0 and len(server.pumps) == 1
 
 
 def _connect_to_qh3_relay(tls: TlsConfig, client_stack: str) -> int:

@@ -456,17 +456,24 @@ class QuicEndpoint:
                 }
         if not kit.needed(data, self.configuration.connection_id_length):
             return ids
-        if self._retry_tokens is None:
-            self._retry_tokens = kit.token_handler()
-        retry_scid = secrets.token_bytes(self.configuration.connection_id_length)
-        token = self._retry_tokens.create_token(addr, header.destination_cid, retry_scid)
-        packet = kit.encode_retry(
-            version=header.version,
-            source_cid=retry_scid,
-            destination_cid=header.source_cid,
-            original_destination_cid=header.destination_cid,
-            retry_token=token,
-        )
+        try:
+            if self._retry_tokens is None:
+                self._retry_tokens = kit.token_handler()
+            retry_scid = secrets.token_bytes(self.configuration.connection_id_length)
+            token = self._retry_tokens.create_token(addr, header.destination_cid, retry_scid)
+            packet = kit.encode_retry(
+                version=header.version,
+                source_cid=retry_scid,
+                destination_cid=header.source_cid,
+                original_destination_cid=header.destination_cid,
+                retry_token=token,
+            )
+        except Exception as exc:
+            # the stack could not make a Retry: the connection goes ahead unvalidated,
+            # as without the Retry (the handshake may then stall for a client that pads
+            # outside its packet, but a stack fault never reaches the driver)
+            log.warning("no Retry for %s (%s): accepting it unvalidated", _host(addr), exc)
+            return ids
         self._pending_vn.append((packet, addr))  # sent from service(), as refusals are
         self.retries += 1
         return None
