@@ -19,9 +19,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from session_pair import Pair
 
 from kvcs_core.kvcs import _verify
+from kvcs_core.kvcs._index_serving import IndexAnnouncer
+from kvcs_core.kvcs._production import ManifestSigner
 from kvcs_core.kvcs.consumer import (
     ConsumerConfig,
     DiscardReason,
+    IndexLookupDone,
     IndexOptions,
     IndexSearchDone,
     KvcsConsumer,
@@ -385,6 +388,61 @@ def test_no_publication_means_recompute() -> None:
     # and the KVSP index (binding 9): a binary search over 1..4 that finds nothing
     assert asked.count(b"kvcs-idx-1") == c.index_lookups == 2  # lengths 2, then 1
     assert c.index_shared_blocks == 0
+
+
+def served_index(pair: Pair, fx: Fixture) -> None:
+    """The fixture's signed KVSP index records (every prefix length), on ``pair``'s server."""
+    announcer = IndexAnnouncer(
+        fx.ns, fx.keys, stride=1, signer=ManifestSigner(key=PRODUCER, kid=KID)
+    )
+    for ns in announcer.namespaces:
+        pair.serve(announcer._stores[ns])
+
+
+@pytest.mark.parametrize("one_way", [0.005, 0.4])
+def test_an_index_lookup_waits_for_the_relays_answer_not_a_round_trip(one_way: float) -> None:
+    """Binding 9: a publication shares our first 2 blocks only (its prompt then differs),
+    so direct discovery of the whole prompt finds nothing and the index search finds it.
+    With a one-way delay of 0.4 s every answer comes 0.8 s after its request, longer than
+    the lookup ``timeout`` (0.3 s): the lookups still wait for the relay's answers
+    (``answer_timeout``) and conclude from them, and the same 2 blocks are found."""
+    pair = Pair(latency=one_way)
+    other = [*TOKENS[: 2 * B], *range(900, 900 + 2 * B)]
+    fx = Fixture(blocks=4, pub_id=PUB_B, tokens=other).produce_all().serve(pair)
+    served_index(pair, fx)
+    opts = IndexOptions()
+    assert 2 * one_way < opts.answer_timeout
+    c = consumer(config=ConsumerConfig(discovery_timeout=max(0.1, 4 * one_way)), index=opts)
+    h = Harness(c, pair)
+    done = h.finish()
+    lookups = [(e.length, e.shared) for e in h.of(IndexLookupDone)]
+    assert lookups == [(2, True), (3, False)]  # binary search over 1..4
+    assert c.index_shared_blocks == 2
+    sel = h.of(PublicationSelected)[0]
+    assert (sel.publication_id, sel.blocks) == (PUB_B, 2)
+    assert (done.blocks, done.complete) == (2, True)
+    assert_all_data(c, fx, blocks=2)
+    # "not shared" (length 3: the server answers, no NAMESPACE follows) is concluded
+    # ``timeout`` after the answer, not ``answer_timeout`` after the request
+    found, missed = h.at(IndexLookupDone)
+    assert missed - found <= 2 * (2 * one_way) + opts.timeout + 0.05
+
+
+def test_an_unanswered_index_lookup_is_bounded_by_the_answer_timeout() -> None:
+    """A server that never answers SUBSCRIBE_NAMESPACE: each lookup is concluded "not
+    shared" ``answer_timeout`` after its request, and the search ends (recompute)."""
+    pair = Pair()
+    c = consumer(
+        config=ConsumerConfig(discovery_timeout=0.1),
+        index=IndexOptions(timeout=0.2, answer_timeout=0.7),
+    )
+    h = Harness(c, pair)
+    pair.auto_accept = False  # the server answers nothing from here on
+    done = h.finish()
+    assert (done.blocks, done.complete) == (0, False)
+    lookups = h.at(IndexLookupDone)
+    assert [e.shared for e in h.of(IndexLookupDone)] == [False, False]
+    assert lookups[1] - lookups[0] >= 0.7
 
 
 def test_an_index_stride_longer_than_the_prompt_makes_no_lookup() -> None:

@@ -23,8 +23,13 @@ searches the index before it tries the shorter direct prefixes:
    and whose ``block_key`` and ``block_index`` are our own count; a refused record
    is reported (:class:`IndexRecordDiscarded`) and ignored;
 4. the lookup is *shared* as soon as one usable record arrives, *not shared* when
-   none did within ``timeout`` (extended by ``timeout`` for each announcement, so a
-   record on its way is awaited); its requests are cancelled either way
+   none did within ``timeout`` of its last sign of progress: its start, or an
+   answer (REQUEST_OK to a lookup, a NAMESPACE, SUBSCRIBE_OK to a record request),
+   so a record on its way is awaited; and never while one of its requests is still
+   unanswered, for up to ``answer_timeout`` after it was sent: ``timeout`` is how long
+   to wait for a *match* once the relay has answered, not a bound on the round trip
+   (a path slower than ``timeout``, or a loaded relay, would otherwise make every
+   lookup "not shared"). Its requests are cancelled either way
    (:class:`IndexLookupDone`);
 5. at the end (:class:`IndexSearchDone`) the publications named by the records of
    the longest shared prefix, then those of shorter ones, become candidates for
@@ -80,7 +85,11 @@ class IndexOptions:
     stride: int = 1
     """Look up only prefix lengths that are multiples of this (the publishers' stride)."""
     timeout: float = 0.3
-    """Seconds one lookup waits for a usable record (extended per announcement)."""
+    """Seconds one lookup waits for a usable record after its last progress (its start,
+    an answer to one of its requests, an announcement: module docstring, step 4)."""
+    answer_timeout: float = 2.0
+    """Seconds a lookup waits for the answer to each of its requests (REQUEST_OK,
+    SUBSCRIBE_OK, an error) before ``timeout`` alone applies (module docstring, step 4)."""
     max_records_per_lookup: int = 16
     """Announced publications whose record is requested in one lookup, at most."""
 
@@ -89,6 +98,8 @@ class IndexOptions:
             raise ValueError("index stride must be an integer >= 1")
         if not self.timeout > 0:
             raise ValueError("index timeout must be > 0")
+        if not self.answer_timeout > 0:
+            raise ValueError("index answer_timeout must be > 0")
         if self.max_records_per_lookup < 1:
             raise ValueError("max_records_per_lookup must be >= 1")
 
@@ -107,6 +118,8 @@ class IndexSearchMixin(DiscoveryMixin):
     _isearch: PrefixSearch | None
     _probe: int | None
     _probe_deadline: float | None
+    _probe_progress: float
+    _probe_unanswered: dict[tuple[int, int], float]
     _probe_seen: set[tuple[int, bytes]]
     _probe_records: int
     _found: dict[int, list[IndexRecord]]
@@ -119,6 +132,8 @@ class IndexSearchMixin(DiscoveryMixin):
         self._isearch = None
         self._probe = None
         self._probe_deadline = None
+        self._probe_progress = 0.0
+        self._probe_unanswered = {}
         self._probe_seen = set()
         self._probe_records = 0
         self._found = {}
@@ -182,6 +197,8 @@ class IndexSearchMixin(DiscoveryMixin):
         self._probe = length
         self._probe_seen = set()
         self._probe_records = 0
+        self._probe_unanswered = {}
+        self._probe_progress = now
         self._probe_deadline = now + self._index_opts.timeout
         asked = False
         for slot in self._sessions:
@@ -201,6 +218,7 @@ class IndexSearchMixin(DiscoveryMixin):
         except LocalProtocolError:
             return False
         self._reqs[(slot.index, rid)] = IndexLookupRequest(slot.index, rid, length)
+        self._await_answer((slot.index, rid), now)
         return True
 
     def _index_session_ready(self, slot: SessionSlot, now: float) -> None:
@@ -214,6 +232,7 @@ class IndexSearchMixin(DiscoveryMixin):
             return
         self._probe = None
         self._probe_deadline = None
+        self._probe_unanswered = {}
         for key, req in list(self._reqs.items()):
             if isinstance(req, IndexLookupRequest | RecordRequest) and req.length == length:
                 self._forget(key[0], key[1], now, cancel=True)
@@ -221,10 +240,31 @@ class IndexSearchMixin(DiscoveryMixin):
         self._emit(IndexLookupDone(length=length, shared=shared, lookup=search.lookups))
         self._next_probe(now)
 
+    def _await_answer(self, key: tuple[int, int], now: float) -> None:
+        """A request of the current lookup was sent: the lookup waits for its answer."""
+        self._probe_unanswered[key] = now
+        self._set_probe_deadline()
+
+    def _probe_progressed(self, key: tuple[int, int] | None, now: float) -> None:
+        """An answer or an announcement for the current lookup (module docstring, step 4)."""
+        if key is not None:
+            self._probe_unanswered.pop(key, None)
+        self._probe_progress = max(self._probe_progress, now)
+        self._set_probe_deadline()
+
+    def _set_probe_deadline(self) -> None:
+        opts = self._index_opts
+        assert opts is not None
+        deadline = self._probe_progress + opts.timeout
+        if self._probe_unanswered:
+            deadline = max(deadline, max(self._probe_unanswered.values()) + opts.answer_timeout)
+        self._probe_deadline = deadline
+
     def _end_search(self, now: float) -> None:
         self._index_phase = IndexPhase.DONE
         self._probe = None
         self._probe_deadline = None
+        self._probe_unanswered = {}
         found = 0 if self._isearch is None else self._isearch.found
         order: list[IndexRecord] = []
         for length in sorted(self._found, reverse=True):
@@ -279,16 +319,25 @@ class IndexSearchMixin(DiscoveryMixin):
     ) -> None:
         if req.length != self._probe:
             return  # a late answer to a lookup that is over
+        key = (slot.index, req.request_id)
         if isinstance(req, IndexLookupRequest):
             if isinstance(event, ev.NamespaceAnnounced):
+                self._probe_progressed(key, now)
                 self._on_index_announced(slot, req, event, now)
+            elif isinstance(event, ev.RequestAccepted):
+                self._probe_progressed(key, now)
             elif isinstance(event, ev.RequestFailed):
-                self._reqs.pop((slot.index, req.request_id), None)
+                self._reqs.pop(key, None)
+                self._probe_progressed(key, now)
             return
-        if isinstance(event, ev.ObjectReceived):
+        if isinstance(event, ev.SubscribeAccepted):
+            self._probe_progressed(key, now)
+        elif isinstance(event, ev.ObjectReceived):
+            self._probe_progressed(key, now)
             self._on_record(slot, req, event, now)
         elif isinstance(event, ev.RequestFailed):
-            self._reqs.pop((slot.index, req.request_id), None)
+            self._reqs.pop(key, None)
+            self._probe_progressed(key, now)
             if req.signed and event.code == RequestErrorCode.DOES_NOT_EXIST:
                 if self.require_authenticity:
                     self._discard_record(
@@ -321,9 +370,6 @@ class IndexSearchMixin(DiscoveryMixin):
         if self._subscribe_record(slot, ins, req.length, now, signed=True):
             self._probe_seen.add(seen)
             self._probe_records += 1
-            deadline = now + opts.timeout
-            if self._probe_deadline is None or self._probe_deadline < deadline:
-                self._probe_deadline = deadline
 
     def _subscribe_record(
         self, slot: SessionSlot, ins: IndexNamespace, length: int, now: float, *, signed: bool
@@ -341,6 +387,7 @@ class IndexSearchMixin(DiscoveryMixin):
         except LocalProtocolError:
             return False
         self._reqs[(slot.index, rid)] = RecordRequest(slot.index, rid, length, ins, signed)
+        self._await_answer((slot.index, rid), now)
         return True
 
     def _on_record(

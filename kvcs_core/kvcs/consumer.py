@@ -163,7 +163,8 @@ class KvcsConsumer(IndexSearchMixin, RetrievalMixin, RecoveryMixin):
             (default: :func:`default_prefixes`).
         index: how to use the KVSP index (binding 9) when the whole prompt is not
             found directly: :class:`IndexOptions` (default: stride 1, 0.3 s per
-            lookup); None: never (direct discovery only).
+            lookup after the relay's answer, up to 2 s for that answer); None: never
+            (direct discovery only).
         config: bounds and policies.
         require_encryption: refuse Objects and manifests that are not protected
             (no Secure Object Key ID; KVSP binding 8). Protected ones are always

@@ -7,9 +7,10 @@ namespaces and replica records of every ``S``-th prefix length and the last bloc
 (default 1: every block; 0: none). ``kvcs fetch`` searches the index when its
 whole prompt is not published (``--no-index``: never; ``--index-stride S``: look
 up only multiples of ``S``, the stride the publishers use; ``--index-timeout S``:
-how long one lookup waits). :func:`index_report` gives the fields ``kvcs fetch``
-adds to its report: how many lookups were made and how many blocks the index
-found shared. ``kvcs ls --index`` lists the index entries (``kvcs-idx-1``
+how long one lookup waits for a record once the relay has answered,
+:attr:`~kvcs_core.kvcs.consumer.IndexOptions.timeout`). :func:`index_report` gives
+the fields ``kvcs fetch`` adds to its report: how many lookups were made and how
+many blocks the index found shared. ``kvcs ls --index`` lists the index entries (``kvcs-idx-1``
 namespaces) after the publications, as a separate list.
 """
 
@@ -61,7 +62,9 @@ def add_fetch_index_options(f: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_INDEX_TIMEOUT,
         metavar="S",
-        help=f"how long one index lookup waits for a record (default {DEFAULT_INDEX_TIMEOUT:g})",
+        help="how long one index lookup waits for a record after its last progress (the "
+        "relay's answer, an announcement; unanswered requests are awaited longer; default "
+        f"{DEFAULT_INDEX_TIMEOUT:g})",
     )
 
 
