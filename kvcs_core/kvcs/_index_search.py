@@ -245,10 +245,9 @@ class IndexSearchMixin(DiscoveryMixin):
         self._probe_unanswered[key] = now
         self._set_probe_deadline()
 
-    def _probe_progressed(self, key: tuple[int, int] | None, now: float) -> None:
+    def _probe_progressed(self, key: tuple[int, int], now: float) -> None:
         """An answer or an announcement for the current lookup (module docstring, step 4)."""
-        if key is not None:
-            self._probe_unanswered.pop(key, None)
+        self._probe_unanswered.pop(key, None)
         self._probe_progress = max(self._probe_progress, now)
         self._set_probe_deadline()
 
