@@ -2,7 +2,9 @@
 
 In one process: publish -> relay -> live and late consumers, all on pquic and
 with the relay and the clients on different stacks (aioquic, qh3), bit for
-bit; the unsent bound of a publishing connection; a connection with unsent
+bit; the unsent bound of a publishing connection; the 4 MiB stream window and
+1024-stream credit (a stream carrying more than the window, and more index requests than
+aiopquic's own credit); a connection with unsent
 bytes below that bound still waited on (drain signal and recheck timer armed);
 writes that aiopquic refuses for want of ring space (held and retried in
 order); a relay and a consumer whose eventfd wake-ups are taken away, read by
@@ -56,8 +58,9 @@ from test_quic_inprocess import (
 
 from kvcs.adapters.numpy_kv import KvDestination
 from kvcs.transports.quic import asyncio_binding, pquic_binding, trio_binding
+from kvcs.transports.quic.config import MAX_STREAM_DATA, quic_configuration
 from kvcs.transports.quic.pump import DEFAULT_MAX_UNSENT
-from kvcs.transports.quic.stack import StackUnavailable, load_stack
+from kvcs.transports.quic.stack import PEER_BIDI_STREAMS, StackUnavailable, load_stack
 from kvcs.transports.quic.tls import TlsConfig
 
 __all__ = ["procs", "tls"]  # fixtures
@@ -122,6 +125,13 @@ async def _publish_and_fetch(tls: TlsConfig, layers: int, tokens: int) -> dict[s
                 while not done.is_set():
                     look()
                     await asyncio.sleep(0.001)
+
+            seen["windows"] = {
+                int(c.pump.quic.configuration.max_stream_data) for c in (producer, consumer)
+            }
+            seen["bidi_credit"] = {
+                int(c.pump.quic.configuration.max_streams_bidi) for c in (producer, consumer)
+            }
 
             def look() -> None:
                 seen["max_unsent"] = max(seen["max_unsent"], producer.pump.unsent_bytes())
@@ -267,6 +277,25 @@ def test_publisher_holds_at_most_max_unsent_in_picoquic(tls: TlsConfig) -> None:
     seen = _run("asyncio", lambda: _publish_and_fetch(tls, layers=8, tokens=1024), 90)
     assert seen["samples"] > 0
     assert 0 < seen["max_unsent"] <= DEFAULT_MAX_UNSENT + 64 * 1024, seen
+
+
+@needs_pquic
+def test_pquic_streams_get_a_4_mib_window_and_carry_more_than_it(tls: TlsConfig) -> None:
+    """aiopquic sizes each receiving stream's ring to the stream window (pquic_binding,
+    "Receive memory"): kvcs gives pquic 4 MiB, the other stacks keep 16 MiB. And it grants
+    the peer 1024 request streams ("Stream credit"). A layer of 4.5 MiB per track (one
+    stream each, past the window) in 1152 blocks (a KVSP index of more requests than
+    aiopquic's own 512-stream credit: before, the publisher's data waited behind them for
+    ever) arrives bit for bit."""
+    assert quic_configuration(load_stack("pquic"), is_client=True).max_stream_data == 4 << 20
+    assert pquic_binding.PQUIC_MAX_STREAM_DATA == 4 << 20
+    for other in ("aioquic", *(("qh3",) if HAVE_QH3 else ())):
+        cfg = quic_configuration(load_stack(other), is_client=True)
+        assert cfg.max_stream_data == MAX_STREAM_DATA == 16 << 20
+    # 18432 tokens x 2 heads x 64 x bfloat16 = 4.5 MiB of K (and of V), 1152 16-token blocks
+    seen = _run("asyncio", lambda: _publish_and_fetch(tls, layers=1, tokens=18432), 120)
+    assert seen["windows"] == {4 << 20}, seen
+    assert seen["bidi_credit"] == {PEER_BIDI_STREAMS}, seen
 
 
 @needs_pquic

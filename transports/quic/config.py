@@ -108,7 +108,7 @@ def quic_configuration(
     cfg = stack.configuration(is_client=is_client, alpn_protocols=alpns)
     cfg.max_datagram_frame_size = MAX_DATAGRAM_FRAME
     cfg.max_data = MAX_DATA
-    cfg.max_stream_data = MAX_STREAM_DATA
+    cfg.max_stream_data = stack.max_stream_data or MAX_STREAM_DATA
     cfg.idle_timeout = idle_timeout
     if max_datagram_size is not None:
         cfg.max_datagram_size = max_datagram_size

@@ -53,10 +53,29 @@ and no timers to run, so the sans-I/O part of kvcs (:class:`~.endpoint.QuicEndpo
   :data:`RX_QUIET_AFTER` seconds, the fallback read slows to
   :data:`RX_RECHECK_IDLE`: an idle relay or client wakes twice a second, not
   twenty times, and the first event takes it back to :data:`RX_RECHECK`.
+* **Receive memory.** aiopquic hands a stream's received bytes to the asyncio
+  thread through a byte ring per stream, sized to the stream's flow-control window
+  (``max_stream_data``, the most a peer may send before it is read), and
+  picoquic extends the window as the ring is read. So the window is memory per
+  stream being received, not only a bound on the peer: with the 16 MiB kvcs gives
+  the other stacks (which buffer only what arrives), a pquic relay forwarding a
+  256 MiB cache live peaked 73 MiB above its cache and an idle relay, past the
+  64 MiB goal (issue 11, ``benchmarks/bench_memory.py``); with
+  :data:`PQUIC_MAX_STREAM_DATA` (4 MiB) it peaked 44 MiB above, and the consumer
+  33 instead of 49, with no loss of goodput on loopback (two-relay trees were
+  faster). The cost is on long paths: one stream moves at most 4 MiB per round
+  trip (about 80 MB/s at 50 ms), and a cache's K and V tracks are two streams.
 * **Stream credit.** picoquic keeps the peer's MAX_STREAMS to itself and
   holds a stream opened beyond it until credit arrives (RFC 9000 section 4.6);
   no :class:`~kvcs_core.moqt.transport_io.StreamCredit` is reported, so the
-  session opens requests at once and picoquic queues them.
+  session opens requests at once and picoquic queues them. Every MOQT request
+  is a bidirectional stream open while it lives, and a publication's KVSP index
+  keeps one PUBLISH_NAMESPACE per indexed block (:mod:`.stack`), so kvcs grants
+  the peer :data:`~.stack.PEER_BIDI_STREAMS` (1024) of them, as on the other
+  stacks. With aiopquic's own 512 a publication of 512 blocks or more (8192
+  tokens in 16-token blocks) through a pquic relay stalled: its first data
+  stream waited behind the index's requests for credit that never came, until
+  the publisher's drain timed out.
 * **Endpoints.** A server (:class:`PquicEndpoint` with a server
   configuration) is one aiopquic ``QuicEngine``: one picoquic context, one
   socket, one thread, every accepted connection demultiplexed by picoquic.
@@ -103,7 +122,7 @@ from ._asyncio_driving import AsyncioDriving
 from .api import ConnectError
 from .endpoint import QuicEndpoint
 from .pump import DEFAULT_MAX_UNSENT, SessionPump, keepalive_interval
-from .stack import QuicStack, StackUnavailable
+from .stack import PEER_BIDI_STREAMS, QuicStack, StackUnavailable
 
 log = logging.getLogger("kvcs.quic")
 
@@ -112,6 +131,11 @@ NAME = "pquic"
 MAX_WRITE = 1 << 20
 """The largest piece handed to aiopquic in one call (at most its ``stream_ring_cap``,
 4 MiB by default: a larger write is refused outright)."""
+
+PQUIC_MAX_STREAM_DATA = 4 << 20
+"""The per-stream receive window of kvcs's pquic connections (4 MiB; 16 MiB on the other
+stacks): aiopquic gives every stream it receives on a byte ring of this size (module
+docstring, "Receive memory")."""
 
 BACKPRESSURE_RECHECK = 0.005
 """Seconds after which a connection at its unsent bound is looked at again even if no
@@ -321,6 +345,7 @@ def load_pquic_stack() -> QuicStack:
         datagrams_to_send=lambda conn, now: [],
         bidi_credit=lambda conn: None,
         endpoint=PquicEndpoint,
+        max_stream_data=PQUIC_MAX_STREAM_DATA,
     )
 
 
@@ -445,8 +470,10 @@ class PquicEndpoint(QuicEndpoint):
 
 
 def _tune(cfg: Any) -> None:
-    """What every kvcs configuration of this stack sets: picoquic's keep-alive PINGs."""
+    """What every kvcs configuration of this stack sets: picoquic's keep-alive PINGs, and
+    the bidirectional streams the peer may open (module docstring, "Stream credit")."""
     cfg.keep_alive_interval = keepalive_interval(float(cfg.idle_timeout))
+    cfg.max_streams_bidi = PEER_BIDI_STREAMS
 
 
 def _free_port(host: str, family: int) -> int:

@@ -181,6 +181,10 @@ class QuicStack:
     retry: RetryKit | None = None
     """How a server of this stack validates clients' addresses with a Retry, ``None``:
     it never does (module docstring: qh3 needs it for some clients)."""
+    max_stream_data: int | None = None
+    """The per-stream receive window kvcs configures (``max_stream_data``), ``None``: the
+    common one (:data:`~.config.MAX_STREAM_DATA`). A stack that reserves receive memory
+    per stream in proportion to its window gives a smaller one (:mod:`.pquic_binding`)."""
 
 
 def _aioquic_unsent(conn: Any, stream_id: int) -> int:
