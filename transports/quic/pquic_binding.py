@@ -72,10 +72,10 @@ and no timers to run, so the sans-I/O part of kvcs (:class:`~.endpoint.QuicEndpo
   is a bidirectional stream open while it lives, and a publication's KVSP index
   keeps one PUBLISH_NAMESPACE per indexed block (:mod:`.stack`), so kvcs grants
   the peer :data:`~.stack.PEER_BIDI_STREAMS` (1024) of them, as on the other
-  stacks. With aiopquic's own 512 a publication of 512 blocks or more (8192
-  tokens in 16-token blocks) through a pquic relay stalled: its first data
-  stream waited behind the index's requests for credit that never came, until
-  the publisher's drain timed out.
+  stacks. With aiopquic's own 512, a publication of 512 blocks or more (8192
+  tokens in 16-token blocks) through a pquic relay stalled: its requests past
+  the 512th waited for credit that never came, so the publisher's drain (every
+  written byte sent) timed out and the consumer never completed.
 * **Endpoints.** A server (:class:`PquicEndpoint` with a server
   configuration) is one aiopquic ``QuicEngine``: one picoquic context, one
   socket, one thread, every accepted connection demultiplexed by picoquic.
