@@ -274,9 +274,16 @@ async def _late_through_a_tree(tls: TlsConfig, layers: int) -> list[int]:
 def test_publisher_holds_at_most_max_unsent_in_picoquic(tls: TlsConfig) -> None:
     """The pump pulls object data only while picoquic's rings hold less than max_unsent
     unsent bytes of the connection: a cache of several MiB never sits there whole."""
-    seen = _run("asyncio", lambda: _publish_and_fetch(tls, layers=8, tokens=1024), 90)
-    assert seen["samples"] > 0
-    assert 0 < seen["max_unsent"] <= DEFAULT_MAX_UNSENT + 64 * 1024, seen
+    # The bound holds in every run. The sampler shares the loop with the pump, so on a
+    # loaded machine a run can end without a sample that caught unsent bytes (seen in
+    # CI, on the old code too): up to 5 runs, until one did.
+    for _ in range(5):
+        seen = _run("asyncio", lambda: _publish_and_fetch(tls, layers=8, tokens=1024), 90)
+        assert seen["samples"] > 0
+        assert seen["max_unsent"] <= DEFAULT_MAX_UNSENT + 64 * 1024, seen
+        if seen["max_unsent"] > 0:
+            break
+    assert seen["max_unsent"] > 0, seen
 
 
 @needs_pquic
