@@ -292,8 +292,8 @@ def test_pquic_streams_get_a_4_mib_window_and_carry_more_than_it(tls: TlsConfig)
     "Receive memory"): kvcs gives pquic 4 MiB, the other stacks keep 16 MiB. And it grants
     the peer 1024 request streams ("Stream credit"). A layer of 4.5 MiB per track (one
     stream each, past the window) in 1152 blocks (a KVSP index of more requests than
-    aiopquic's own 512-stream credit: before, the publisher's data waited behind them for
-    ever) arrives bit for bit."""
+    aiopquic's own 512-stream credit: before, the requests past the 512th waited for credit
+    for ever and the publication never completed) arrives bit for bit."""
     assert quic_configuration(load_stack("pquic"), is_client=True).max_stream_data == 4 << 20
     assert pquic_binding.PQUIC_MAX_STREAM_DATA == 4 << 20
     for other in ("aioquic", *(("qh3",) if HAVE_QH3 else ())):
