@@ -11,8 +11,11 @@ searches the index before it tries the shorter direct prefixes:
 0. the shorter direct prefixes (``_discovery``) are all subscribed at once, beside
    the search; a publication they announce raises the search's floor (no lookup
    at or below its length), and no publication is chosen before the search ends;
-1. :class:`~kvcs_core.kvcs.index.PrefixSearch` picks a prefix length ``j`` (binary
-   search over ``1..m``, or over the multiples of the stride);
+1. :class:`~kvcs_core.kvcs.index.PrefixSearch` picks a prefix length ``j`` (a
+   bitwise binary search over the multiples of the stride up to ``m``, which also
+   finds publications that index every ``2^k``-th multiple; then at most one more
+   lookup, at the block count a record named, when the prompt holds the whole of that
+   publication);
 2. *lookup*: SUBSCRIBE_NAMESPACE ``("kvcs-idx-1", Scope ID, Compatibility ID,
    K_(j-1))`` on every usable session; each NAMESPACE names one publication's
    index namespace, whose ``replica.cose`` (or, when authenticity is not required
@@ -39,7 +42,7 @@ searches the index before it tries the shorter direct prefixes:
    replaced by the next longest; when none is left (and the direct prefixes had
    their ``discovery_timeout``), recomputation is reported.
 
-Bounded: at most ``ceil(log2(c + 1))`` lookups for ``c`` candidate lengths, one
+Bounded: at most ``ceil(log2(c + 1)) + 1`` lookups for ``c`` candidate lengths, one
 record request per announced publication per lookup (at most
 ``max_records_per_lookup``), every wait timed.
 """
@@ -191,6 +194,13 @@ class IndexSearchMixin(DiscoveryMixin):
         direct = [p.prefix_blocks for p in self._pubs.values() if p.state is PubState.CANDIDATE]
         search.raise_floor(max(direct, default=0))
         length = search.next_probe
+        if length is None:
+            # one more lookup at the block count of a publication found, whose last
+            # block is always indexed (index module docstring: a prompt extending the
+            # whole publication is found exactly, whatever its stride)
+            counts = (r.blocks for r in self._found.get(search.found, ()))
+            if search.extend(max((b for b in counts if b <= search.prompt_blocks), default=0)):
+                length = search.next_probe
         if length is None:
             self._end_search(now)
             return

@@ -24,12 +24,37 @@ record's ``block_key`` and ``block_index`` must equal the consumer's ``K_i`` and
 ``i`` (what binds the record to the lookup), and its namespace must be of the
 consumer's scope and descriptor with at least ``i + 1`` blocks.
 
+**How many records.** Each index namespace is announced with a PUBLISH_NAMESPACE of
+its own, a request that stays open while the publication lives, and a relay
+bounds the requests of one session (``max_concurrent_peer_requests``, 1024 by
+default, and the QUIC stream credit behind it). A publication whose index needs
+more than that is not indexed past the bound: with stride 1 that was any prompt
+of more than about 1000 blocks (16,000 tokens in 16-token blocks), and a consumer
+searching it settled on a short prefix. So a publisher announces at most
+``max_records`` records (:data:`DEFAULT_MAX_INDEX_RECORDS`, 512: half a default
+relay's bound, leaving room for the publication's own requests):
+:func:`effective_index_stride` doubles the configured stride until every
+``stride``-th prefix length and the last block fit. The binding lets the
+publisher choose its stride (section 9: "every ``s``-th block and the last"); the
+doubling is kvcs's choice of ``s``, and the search below finds it without being
+told.
+
 **Prefix search.** Shared prefixes are nested: if some publication shares ``j``
-blocks with the prompt, it shares every ``j' < j`` too, and (stride 1) it has an
-index entry for each. :class:`PrefixSearch` is a binary search over the candidate
-lengths (``1..m``, or the multiples of the stride up to ``m``): a lookup of
-length ``j`` is positive when a usable record for ``K_(j-1)`` is found. It
-needs ``ceil(log2(c + 1))`` lookups for ``c`` candidates. A lying index can only
+blocks with the prompt, it shares every ``j' < j`` too. :class:`PrefixSearch`
+looks up multiples ``n * s`` of the consumer's stride ``s`` (``n`` in ``1..c``,
+``c = m // s``), one bit of ``n`` at a time from the highest: it tries ``n =
+base + 2^k`` and keeps it as ``base`` when a usable record for ``K_(n*s - 1)``
+is found. That is a binary search (``ceil(log2(c + 1))`` lookups, as many as one
+over ``1..c``), and it has one more property: every lookup at bit ``k`` is a
+multiple of ``2^k * s``, so a publication indexed every ``2^p * s`` blocks (a
+doubled stride, above) is found at the longest multiple of its stride it
+shares, since the lookups at bits ``k >= p`` are all on its lattice. With
+several publications of different strides it finds the longest such multiple
+over all of them. Then :meth:`PrefixSearch.extend` may add one lookup: a
+record found names its publication's block count ``B``, and the publisher
+always indexes its last block, so a prompt that extends the whole publication
+(``found < B <= m``, the common case of a conversation's next turn) is found at
+exactly ``B`` even when ``B`` is off the stride. A lying index can only
 hide entries (the search then finds a shorter prefix) or offer records that
 :func:`open_record` refuses (treated as "not found"); the record is a pointer,
 and the data it leads to is verified against the publication's manifest.
@@ -59,6 +84,7 @@ from kvcs_core.kvcs.names import (
 from kvcs_core.wire.names import FullTrackName, TrackNamespace
 
 __all__ = [
+    "DEFAULT_MAX_INDEX_RECORDS",
     "INDEX_NAMESPACE_TAG",
     "MAX_RECORD_BYTES",
     "REPLICA_COSE_TRACK",
@@ -69,6 +95,7 @@ __all__ = [
     "IndexRejectReason",
     "OpenedRecord",
     "PrefixSearch",
+    "effective_index_stride",
     "encode_record",
     "index_block_indices",
     "index_prefix",
@@ -86,6 +113,9 @@ MAX_RECORD_BYTES: Final = 4096
 _BLOCK_KEY_HEX: Final = 2 * ANCHOR_KEY_LEN
 _MEMBERS: Final = frozenset({"kvsp", "namespace", "blocks", "block_index", "block_key", "holder"})
 _MAX_BLOCKS: Final = 1 << 32
+DEFAULT_MAX_INDEX_RECORDS: Final = 512
+"""The most index records a publication announces by default (module docstring, "How
+many records"): one request each, against a relay's 1024 per session."""
 
 
 @attrs.frozen
@@ -147,6 +177,25 @@ def index_block_indices(blocks: int, stride: int) -> tuple[int, ...]:
     if blocks and (not out or out[-1] != blocks - 1):
         out.append(blocks - 1)
     return tuple(out)
+
+
+def _record_count(blocks: int, stride: int) -> int:
+    return blocks // stride + (1 if blocks % stride else 0)
+
+
+def effective_index_stride(blocks: int, stride: int, max_records: int | None) -> int:
+    """The stride a publication of ``blocks`` blocks indexes with: ``stride``, doubled
+    until :func:`index_block_indices` holds at most ``max_records`` entries (None: no
+    bound). Module docstring, "How many records"."""
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError("the index stride must be an integer >= 1")
+    if max_records is None:
+        return stride
+    if not isinstance(max_records, int) or max_records < 1:
+        raise ValueError("max_index_records must be an integer >= 1 (None: no bound)")
+    while _record_count(blocks, stride) > max_records:
+        stride *= 2  # ends: past ``blocks`` only the last block is left
+    return stride
 
 
 @attrs.frozen(kw_only=True)
@@ -324,13 +373,13 @@ def open_record(
 
 
 class PrefixSearch:
-    """Binary search for the longest shared prefix (module docstring).
+    """Bitwise binary search for the longest shared prefix (module docstring).
 
-    ``candidates``: the prefix lengths that can be looked up (``1..m`` for stride 1,
-    else the multiples of the stride up to ``m``), ascending. Ask
-    :attr:`next_probe`, look that length up, tell the result with :meth:`answer`;
-    when :attr:`next_probe` is None, :attr:`found` is the longest length known to
-    be shared (0: none).
+    The lengths that can be looked up are the multiples of ``stride`` up to
+    ``prompt_blocks`` (:attr:`candidate_count` of them), plus at most one length
+    offered to :meth:`extend`. Ask :attr:`next_probe`, look that length up, tell the
+    result with :meth:`answer`; when :attr:`next_probe` is None, :attr:`found` is the
+    longest length known to be shared (0: none).
     """
 
     def __init__(self, prompt_blocks: int, stride: int = 1) -> None:
@@ -338,40 +387,79 @@ class PrefixSearch:
             raise ValueError("prompt_blocks must be >= 1")
         if stride < 1:
             raise ValueError("stride must be >= 1")
-        self.candidates: tuple[int, ...] = tuple(range(stride, prompt_blocks + 1, stride))
-        self._lo = 0  # candidates[: self._lo] are known shared
-        self._hi = len(self.candidates)  # candidates[self._hi :] are known not shared
+        self.prompt_blocks: Final = prompt_blocks
+        self.stride: Final = stride
+        self.candidate_count: Final = prompt_blocks // stride
+        """Multiples of the stride up to ``prompt_blocks``: the search is over ``1..this``."""
+        self._base = 0  # multiplier known shared (a lookup found it)
+        self._floor = 0  # multiplier known shared without a lookup (raise_floor)
+        self._bit = 1 << (self.candidate_count.bit_length() - 1) if self.candidate_count else 0
+        self._extension: int | None = None  # a length offered to extend, not yet looked up
+        self._extended = 0  # a length found shared by the extension lookup
+        self._extension_tried = False
         self.lookups = 0
         self.probed: list[tuple[int, bool]] = []
+        self._settle()
+
+    def _settle(self) -> None:
+        """Move past bits whose lookup is not needed (beyond ``c``, or at or below the floor)."""
+        while self._bit:
+            n = self._base + self._bit
+            if n > self.candidate_count:
+                self._bit >>= 1
+            elif n <= self._floor:
+                self._base = n
+                self._bit >>= 1
+            else:
+                return
 
     @property
     def next_probe(self) -> int | None:
         """The prefix length to look up next, or None when the search is over."""
-        if self._lo >= self._hi:
-            return None
-        return self.candidates[(self._lo + self._hi + 1) // 2 - 1]
+        if self._bit:
+            return (self._base + self._bit) * self.stride
+        return self._extension
 
     @property
     def found(self) -> int:
         """The longest prefix length known to be shared (0: none)."""
-        return self.candidates[self._lo - 1] if self._lo else 0
+        return max(max(self._base, self._floor) * self.stride, self._extended)
 
     def raise_floor(self, length: int) -> None:
         """``length`` blocks are known to be shared (a publication found directly): no
-        lookup at or below it is needed (never past a length already found not shared)."""
-        known = sum(1 for c in self.candidates if c <= length)
-        self._lo = max(self._lo, min(known, self._hi))
+        lookup at or below it is needed."""
+        self._floor = max(self._floor, min(length, self.prompt_blocks) // self.stride)
+        self._settle()
+
+    def extend(self, length: int) -> bool:
+        """Offer one more lookup once the search is over: ``length`` is the block count
+        of a publication a record found (its last block is always indexed). Taken (True)
+        only when it could lengthen :attr:`found` and nothing was offered before."""
+        if (
+            self._bit
+            or self._extension is not None
+            or self._extension_tried
+            or not self.found < length <= self.prompt_blocks
+            or any(j == length for j, _ in self.probed)
+        ):
+            return False
+        self._extension = length
+        return True
 
     def answer(self, length: int, shared: bool) -> None:
         """The lookup of ``length`` (the current :attr:`next_probe`) found a usable record
         (``shared``) or not."""
         if length != self.next_probe:
             raise ValueError(f"{length} is not the pending probe {self.next_probe}")
-        pos = self.candidates.index(length) + 1
         self.lookups += 1
         self.probed.append((length, shared))
+        if not self._bit:  # the extension lookup
+            self._extension = None
+            self._extension_tried = True
+            if shared:
+                self._extended = length
+            return
         if shared:
-            self._lo = pos
-        else:
-            self._hi = pos - 1
-
+            self._base += self._bit
+        self._bit >>= 1
+        self._settle()

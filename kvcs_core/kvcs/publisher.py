@@ -84,14 +84,15 @@ ends the manifest track likewise once every segment is complete. Authorization
 is the caller's: filter events before handing them over.
 
 *Index* (binding 9, ``_index_serving``). With ``index_stride`` ``s`` (default 1; 0
-turns it off) the publisher also announces the index namespaces and replica
-records of every ``s``-th prefix length and of its last block, signed like the
-manifest (``replica.cose``) when it has a signer; :meth:`KvcsPublisher.attach`
-announces them with the publication, :meth:`KvcsPublisher.handle_session_event`
-serves them, and :meth:`KvcsPublisher.withdraw` (or the end of the session)
-withdraws them with it. Blocks added by :meth:`KvcsPublisher.append_tokens` are
-not indexed: the records name the namespace, whose Anchor Key covers the blocks
-given at construction.
+turns it off) the publisher also announces the index namespaces and replica records of
+every ``s``-th prefix length and of its last block (``s`` doubled until at most
+``max_index_records`` records, 512 by default: ``index`` module docstring, "How many
+records"), signed like the manifest (``replica.cose``) when it has a signer;
+:meth:`KvcsPublisher.attach` announces them with the publication,
+:meth:`KvcsPublisher.handle_session_event` serves them, and
+:meth:`KvcsPublisher.withdraw` (or the end of the session) withdraws them with it.
+Blocks added by :meth:`KvcsPublisher.append_tokens` are not indexed: the records name
+the namespace, whose Anchor Key covers the blocks given at construction.
 
 Memory and ownership: the publisher holds every data Object of the
 publication for its whole life, which is what lets relays and late consumers
@@ -134,6 +135,7 @@ from kvcs_core.kvcs._production import (
     encode_layer,
     layer_priority,
 )
+from kvcs_core.kvcs.index import DEFAULT_MAX_INDEX_RECORDS, effective_index_stride
 from kvcs_core.kvcs.manifest import Manifest
 from kvcs_core.kvcs.names import MANIFEST_COSE_TRACK, MANIFEST_TRACK, KvcsNamespace
 from kvcs_core.kvcs.protection import ObjectProtection, PublicationSealer
@@ -243,6 +245,11 @@ class KvcsPublisher:
             and Key ID; ``None``: Objects in clear.
         index_stride: announce KVSP index records (binding 9) for every
             ``index_stride``-th prefix length and the last block; 0: no index.
+            Doubled as often as needed to stay within ``max_index_records``
+            (``index.stride``: the one used).
+        max_index_records: announce at most this many index records (default
+            :data:`~kvcs_core.kvcs.index.DEFAULT_MAX_INDEX_RECORDS`, 512: each is a
+            request a relay counts against its 1024 per session); None: no bound.
         index_holder: optional ``"holder"`` member of the records (an MOQT URI).
 
     Raises:
@@ -264,6 +271,7 @@ class KvcsPublisher:
         list_digests: bool = True,
         protection: ObjectProtection | None = None,
         index_stride: int = 1,
+        max_index_records: int | None = DEFAULT_MAX_INDEX_RECORDS,
         index_holder: str | None = None,
     ) -> None:
         cd = (
@@ -325,9 +333,17 @@ class KvcsPublisher:
         self._publish_manifest()
         if type(index_stride) is not int or index_stride < 0:
             raise PublisherError("index_stride must be an integer >= 0 (0: no index)")
+        if max_index_records is not None and (
+            type(max_index_records) is not int or max_index_records < 1
+        ):
+            raise PublisherError("max_index_records must be an integer >= 1 (None: no bound)")
         self._index: Final = (
             IndexAnnouncer(
-                self._kvcs_namespace, keys, stride=index_stride, signer=signer, holder=index_holder
+                self._kvcs_namespace,
+                keys,
+                stride=effective_index_stride(len(keys), index_stride, max_index_records),
+                signer=signer,
+                holder=index_holder,
             )
             if index_stride
             else None

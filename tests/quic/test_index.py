@@ -134,16 +134,17 @@ async def retrieve(
     tokens: list[int],
     also: tuple[MoqtClient, ...] = (),
     index: IndexOptions | None = INDEX,
+    src: CacheFile = SRC,
 ) -> Got:
     r = client.retrieve_cache(
-        SRC.descriptor, SCOPE_KEY, tokens, also=also, producer_keys={KID: PRODUCER.public_key()},
+        src.descriptor, SCOPE_KEY, tokens, also=also, producer_keys={KID: PRODUCER.public_key()},
         index=index,
     )  # fmt: skip
     res = await r.result(timeout=WAIT, strict=False)
     c = r.consumer
     identical = True
-    for layer in range(LAYERS):
-        s = layer_sections(SRC.k[layer], SRC.v[layer], SRC.cd)
+    for layer in range(src.descriptor["layers"]):
+        s = layer_sections(src.k[layer], src.v[layer], src.cd)
         for comp, ref in ((Component.K, s.k), (Component.V, s.v)):
             for blk in range(res.blocks):
                 got = c.data(layer, comp, blk)
@@ -204,18 +205,71 @@ def test_with_a_stride_the_prefix_is_rounded_down_to_its_multiples(tmp_path: Pat
     assert got.complete and got.blocks == 40 and got.identical  # 40 = 4 x 10 <= 43
     assert got.verified == 2 * LAYERS * 40
     lookups = [e.length for e in got.events if isinstance(e, IndexLookupDone)]
-    assert lookups and all(j % 4 == 0 for j in lookups)
-    assert got.lookups <= math.ceil(math.log2(len(tokens) // BLOCK // 4 + 1))
+    # bit by bit over the multiples of 4 (4 x 8, 12, 10, 11), then one more at the
+    # publication's block count (62, indexed as its last block: the prompt's 62 blocks
+    # could have shared it whole)
+    assert lookups == [32, 48, 40, 44, 62]
+    assert got.lookups <= math.ceil(math.log2(len(tokens) // BLOCK // 4 + 1)) + 1
+
+
+def test_a_publication_beyond_the_relays_request_bound_is_indexed_and_found(
+    tmp_path: Path,
+) -> None:
+    """1103 blocks (17,648 tokens), more than the 1024 requests a relay lets one session
+    hold, each index entry being one: with the default bound of 512 records the stride
+    doubles to 4 (276 records), and the consumers' search, told nothing, finds the
+    longest multiple of 4 they share, and one more lookup the whole publication (its last
+    block, 1103, is off the stride). With one record per block, the entries past the
+    relay's bound were never announced and such a search settled on a short prefix (the
+    demo's consumers got 451 of 1062 blocks)."""
+    blocks = 1103
+    desc = llama_descriptor(layers=1, kv_heads=1, head_dim=16, block_tokens=BLOCK)
+    src = synthetic(desc, blocks * BLOCK, 5)
+    prompts = {
+        "extends-it": (list(src.tokens) + [3] * 100, blocks),
+        "shares-701-then-differs": (list(src.tokens[: 701 * BLOCK]) + [9] * 99, 700),
+    }
+
+    async def scenario() -> tuple[int, int, dict[str, Got]]:
+        out: dict[str, Got] = {}
+        async with relays(tmp_path, False) as (pub_url, url, trust), AsyncExitStack() as stack:
+            producer = await stack.enter_async_context(b.connect(pub_url, tls=trust))
+            pub = await producer.publish_cache(
+                src.descriptor, SCOPE_KEY, src.tokens, publication_id=PUB_ID,
+                signer=ManifestSigner(PRODUCER, KID),
+            )  # fmt: skip
+            s = layer_sections(src.k[0], src.v[0], src.cd)
+            await pub.put_layer(0, s.k, s.v, timeout=WAIT)
+            await pub.finish()
+            index = pub.publisher.index
+            assert index is not None
+            for name, (tokens, _shared) in prompts.items():
+                async with b.connect(url, tls=trust) as client:
+                    out[name] = await retrieve(client, tokens, src=src)
+            return index.stride, len(index.namespaces), out
+
+    stride, records, got = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert (stride, records) == (4, blocks // 4 + 1)
+    for name, (tokens, shared) in prompts.items():
+        g = got[name]
+        assert g.complete and g.blocks == shared and g.identical, (name, g.events[-5:])
+        assert g.verified == 2 * shared
+        m = len(tokens) // BLOCK
+        assert 1 <= g.lookups <= math.ceil(math.log2(m + 1)) + 1
+    lookups = [e.length for e in got["extends-it"].events if isinstance(e, IndexLookupDone)]
+    assert lookups[-1] == blocks  # the one more lookup, at the publication's block count
 
 
 # --- a forging relay ---------------------------------------------------------------------
 
 
 def forger(relay: Any, genuine: dict[int, bytes], forged: list[int]) -> None:
-    """Rewrite every index record the relay receives for a block other than 0: odd blocks
-    get the producer's genuine signed record of block 0 (a replay), even blocks a record
-    naming another publication, signed by a key that is not the producer's (with the
-    producer's ``kid``). Block 0's genuine record is kept (and remembered)."""
+    """Rewrite every index record the relay receives for a block other than 0, taking turns:
+    every second one becomes the producer's genuine signed record of block 0 (a replay,
+    once that is known), the others a record naming another publication, signed by a key
+    that is not the producer's (with the producer's ``kid``). Block 0's genuine record is
+    kept (and remembered). (Turns, not block parity: the lookups of a bitwise search are
+    mostly at even lengths, so odd block indices.)"""
     original: Callable[..., bool] = relay.handle_session_event
     rogue_ns = KvcsNamespace(*(bytes([0xEE]) * n for n in (16, 16, 32, 16)))
 
@@ -227,7 +281,7 @@ def forger(relay: Any, genuine: dict[int, bytes], forged: list[int]) -> None:
                 i = record.block_index
                 genuine.setdefault(i, bytes(event.payload))
                 if i > 0:
-                    if i % 2 and 0 in genuine:
+                    if len(forged) % 2 and 0 in genuine:
                         bad = genuine[0]
                     else:
                         lie = attrs.evolve(

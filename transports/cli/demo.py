@@ -15,8 +15,8 @@ What runs:
    discovery and receives exactly the shared blocks) and *half* (its prompt shares
    only the first half of the producer's blocks, then differs: the publication's
    Anchor Key is not one it can compute, so it finds it through the KVSP index,
-   binding 9, and receives exactly the shared half; the table says in how many
-   index lookups).
+   binding 9, and receives exactly the shared half, rounded down to a multiple of
+   the index's stride past 512 blocks; the table says in how many index lookups).
 
 Every consumer's result is compared bit for bit with the source cache. The
 table reports, per consumer, the time to its first usable layer and to the
@@ -48,6 +48,7 @@ import attrs
 from kvcs.transports.quic.api import CacheRetrieval, MoqtClient
 from kvcs.transports.quic.tls import TlsConfig, self_signed
 from kvcs_core.kvcs.consumer import ManifestAccepted, ObjectDiscarded, PublicationSelected
+from kvcs_core.kvcs.index import DEFAULT_MAX_INDEX_RECORDS, effective_index_stride
 
 from .common import CliError, Exit, Progress
 from .config import child_environment
@@ -222,7 +223,11 @@ async def run_demo(b: ModuleType, args: argparse.Namespace, url: str, source: Ca
     tls = TlsConfig(verify=False)  # the relay's certificate is self-signed for this run
     blocks = len(source.tokens) // cd.block_tokens
     extra = tuple(range(900_000, 900_000 + 4 * cd.block_tokens + 5))
-    half = blocks // 2
+    # a multiple of the stride the publication's index uses (1 up to 512 blocks, then
+    # doubled: kvcs_core.kvcs.index, "How many records"), so that the index can find
+    # all of the shared part
+    stride = effective_index_stride(blocks, 1, DEFAULT_MAX_INDEX_RECORDS)
+    half = blocks // 2 // stride * stride
     other = tuple(range(800_000, 800_000 + 3 * cd.block_tokens))  # differs from block `half`
     consumers = [
         Consumer(

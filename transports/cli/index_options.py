@@ -4,14 +4,16 @@ Theory of operation
 -------------------
 ``kvcs publish --index-stride S`` announces, besides the publication, the index
 namespaces and replica records of every ``S``-th prefix length and the last block
-(default 1: every block; 0: none). ``kvcs fetch`` searches the index when its
-whole prompt is not published (``--no-index``: never; ``--index-stride S``: look
-up only multiples of ``S``, the stride the publishers use; ``--index-timeout S``:
-how long one lookup waits for a record once the relay has answered,
-:attr:`~kvcs_core.kvcs.consumer.IndexOptions.timeout`). :func:`index_report` gives
-the fields ``kvcs fetch`` adds to its report: how many lookups were made and how
-many blocks the index found shared. ``kvcs ls --index`` lists the index entries (``kvcs-idx-1``
-namespaces) after the publications, as a separate list.
+(default 1: every block; 0: none), ``S`` doubled until at most 512 records remain
+(:data:`~kvcs_core.kvcs.index.DEFAULT_MAX_INDEX_RECORDS`). ``kvcs fetch`` searches the
+index when its whole prompt is not published (``--no-index``: never; ``--index-stride
+S``: look up only multiples of ``S``, which finds publishers whose stride is ``S``
+times a power of two; ``--index-timeout S``: how long one lookup waits for a record
+once the relay has answered, :attr:`~kvcs_core.kvcs.consumer.IndexOptions.timeout`).
+:func:`index_report` gives the fields ``kvcs fetch`` adds to its report: how many
+lookups were made and how many blocks the index found shared. ``kvcs ls --index``
+lists the index entries (``kvcs-idx-1`` namespaces) after the publications, as a
+separate list.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def add_publish_index_options(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="S",
         help="announce KVSP index records for every S-th prefix length and the last block "
-        "(default 1: every block; 0: no index)",
+        "(default 1: every block; 0: no index); S is doubled until at most 512 records "
+        "remain (each is a request the relay counts)",
     )
 
 
@@ -54,8 +57,8 @@ def add_fetch_index_options(f: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="S",
-        help="look up only prefix lengths that are multiples of S blocks (the publishers' "
-        "--index-stride; default 1)",
+        help="look up only prefix lengths that are multiples of S blocks (finds publishers "
+        "whose --index-stride, as doubled, is S times a power of two; default 1)",
     )
     f.add_argument(
         "--index-timeout",

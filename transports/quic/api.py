@@ -44,6 +44,7 @@ from kvcs_core.kvcs.consumer import (
     TrackSelection,
 )
 from kvcs_core.kvcs.cose import VerificationKey
+from kvcs_core.kvcs.index import DEFAULT_MAX_INDEX_RECORDS
 from kvcs_core.kvcs.protection import ObjectProtection
 from kvcs_core.kvcs.publisher import RAW_KV, KvcsPublisher, ManifestSigner, TrackOffer
 from kvcs_core.moqt import events as ev
@@ -196,6 +197,7 @@ class MoqtClient:
         cipher_suite: CipherSuite | int = DEFAULT_SUITE,
         key_id: int = 0,
         index_stride: int = 1,
+        max_index_records: int | None = DEFAULT_MAX_INDEX_RECORDS,
     ) -> CachePublication:
         """Create a publication and announce it on this session (PUBLISH_NAMESPACE); with
         a link (``connect(..., reconnect=...)``), again on every new session.
@@ -222,7 +224,11 @@ class MoqtClient:
             key_id: the Key ID when ``encrypt`` (default 0; a new one rotates keys).
             index_stride: announce KVSP index records (binding 9) for every
                 ``index_stride``-th prefix length and the last block (default 1:
-                every block; 0: no index), signed like the manifest.
+                every block; 0: no index), signed like the manifest; doubled until
+                at most ``max_index_records`` records remain.
+            max_index_records: the most index records to announce (default 512:
+                each is a request a relay counts against its 1024 per session;
+                None: no bound).
 
         Returns:
             The :class:`CachePublication`; publish each layer with ``put_layer``.
@@ -244,6 +250,7 @@ class MoqtClient:
             deterministic=deterministic,
             protection=protection,
             index_stride=index_stride,
+            max_index_records=max_index_records,
         )
         self.publications.append(pub)
         if self.connected:
