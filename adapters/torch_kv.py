@@ -176,16 +176,16 @@ def torch_dtype(dtype: Dtype | str) -> torch.dtype:
 
 
 def _new_event() -> torch.cuda.Event:
-    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+    return torch.cuda.Event()  # type: ignore[no-untyped-call,unused-ignore]
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call,unused-ignore]
 
 
 def _done(event: torch.cuda.Event | None) -> bool:
     """Whether the work before ``event`` has completed (``None``: nothing was queued)."""
-    return event is None or bool(event.query())  # type: ignore[no-untyped-call]
+    return event is None or bool(event.query())  # type: ignore[no-untyped-call,unused-ignore]
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -289,7 +289,8 @@ def _section_order(bits: torch.Tensor, layout: str, first: int, n: int, b: int) 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A flat byte ``memoryview`` of a contiguous CPU tensor (no copy; keeps it alive)."""
     flat = t.reshape(-1).view(torch.uint8)
-    return flat.numpy().data
+    data: memoryview = flat.numpy().data  # typed so with and without torch's stubs
+    return data
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
