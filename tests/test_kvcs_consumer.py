@@ -374,6 +374,48 @@ def test_discovery_falls_back_to_a_shorter_prefix() -> None:
     assert_all_data(c, fx, blocks=2)
 
 
+@pytest.mark.parametrize("one_way", [0.005, 0.4])
+def test_direct_discovery_waits_for_the_relays_answer_not_a_round_trip(one_way: float) -> None:
+    """Profile 5.1: the whole prompt is published. With a one-way delay of 0.4 s the
+    relay's answer to SUBSCRIBE_NAMESPACE and its NAMESPACE come 0.8 s after the request,
+    later than ``discovery_timeout`` (0.5 s): the consumer still waits for them and takes
+    the publication on the first prefix it asks, with no shorter prefix and no index
+    lookup. (Counted from the request, the prefix was given up at 0.5 s: the index search
+    and the shorter prefixes were asked first.)"""
+    pair = Pair(latency=one_way)
+    fx = Fixture(blocks=4, pub_id=PUB_A).produce_all().serve(pair)
+    cfg = ConsumerConfig()
+    assert 2 * one_way > cfg.discovery_timeout or one_way < 0.1
+    c = consumer(config=cfg, index=IndexOptions())
+    h = Harness(c, pair)
+    done = h.finish()
+    asked = server_requests(pair, ev.SubscribeNamespaceRequested)
+    assert [e.prefix.fields[0] for e in asked] == [b"kvcs-1"]  # the whole prompt only
+    assert c.index_lookups == 0
+    sel = h.of(PublicationSelected)
+    assert [(e.publication_id, e.blocks) for e in sel] == [(PUB_A, 4)]
+    assert h.at(PublicationSelected)[0] >= 2 * one_way
+    assert (done.blocks, done.complete) == (4, True)
+    assert_all_data(c, fx)
+
+
+def test_an_unanswered_discovery_request_is_bounded_by_the_answer_timeout() -> None:
+    """A server that never answers SUBSCRIBE_NAMESPACE: each direct prefix (4, 2, 1) is
+    given up ``discovery_answer_timeout`` after its request, then recompute."""
+    pair = Pair()
+    cfg = ConsumerConfig(discovery_timeout=0.1, discovery_answer_timeout=0.7)
+    c = consumer(config=cfg, index=None)
+    pair.auto_accept = False
+    h = Harness(c, pair)
+    done = h.finish()
+    assert (done.blocks, done.complete) == (0, False)
+    assert len(server_requests(pair, ev.SubscribeNamespaceRequested)) == 3
+    (t,) = h.at(RecomputeNeeded)
+    assert 3 * 0.7 <= t < 3 * 0.7 + 0.1
+    with pytest.raises(ValueError):
+        ConsumerConfig(discovery_answer_timeout=0)
+
+
 def test_no_publication_means_recompute() -> None:
     pair = Pair()
     c = consumer(config=ConsumerConfig(discovery_timeout=0.1))

@@ -423,6 +423,8 @@ class ConsumerCore:
         session) of verified Objects whose digest no manifest version listed yet."""
         self._disc_pos = -1
         self._disc_deadline: float | None = None
+        self._disc_progress = 0.0  # the direct prefix's start or last answer
+        self._disc_unanswered: dict[tuple[int, int], float] = {}  # its requests -> sent at
         self._recovery_deadline: float | None = None
         self._last_progress = 0.0
         self._last_stall: float | None = None

@@ -127,8 +127,15 @@ class ConsumerConfig:
     """Bounds and policies of a consumer. Durations are seconds on the caller's clock."""
 
     discovery_timeout: float = 0.5
-    """How long to wait for a NAMESPACE on one prefix before trying the next shorter
-    one (profile 5.1). An announcement normally arrives within one round trip."""
+    """How long to wait for a NAMESPACE on one prefix, once the relay has answered its
+    SUBSCRIBE_NAMESPACE (REQUEST_OK or REQUEST_ERROR), before trying the next shorter
+    one (profile 5.1): an announcement of a publication the relay knows comes with or
+    right after its answer. A request still unanswered is awaited up to
+    ``discovery_answer_timeout`` after it was sent, so a path slower than this
+    (a round trip over 0.5 s, a loaded relay) does not skip the prefix."""
+    discovery_answer_timeout: float = 2.0
+    """How long a prefix waits for the relay's answer to its SUBSCRIBE_NAMESPACE at
+    most (see ``discovery_timeout``)."""
     max_discovery_prefixes: int = 8
     """Prefix lengths tried at most (the default list halves: m, the power of two
     below m, then halving), so discovery ends within this many timeouts."""
@@ -164,7 +171,12 @@ class ConsumerConfig:
     """SUBSCRIBER_PRIORITY of manifest subscriptions (needed first)."""
 
     def __attrs_post_init__(self) -> None:
-        for name in ("discovery_timeout", "manifest_timeout", "stall_timeout"):
+        for name in (
+            "discovery_timeout",
+            "discovery_answer_timeout",
+            "manifest_timeout",
+            "stall_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_discovery_prefixes", "max_publications", "max_objects"):

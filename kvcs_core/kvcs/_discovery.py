@@ -8,7 +8,12 @@ Scope ID, Compatibility ID, K_(m-1))`` on every attached session; each NAMESPACE
 names one publication. When nothing usable is announced within
 ``discovery_timeout`` it tries the next shorter prefix of its list (the Anchor
 Key of a shorter prefix is an earlier Block Key); the earlier subscriptions
-stay open, so a late announcement is still seen. The profile does not say which
+stay open, so a late announcement is still seen. The timeout counts from the
+relay's answer to the prefix's SUBSCRIBE_NAMESPACE (REQUEST_OK or REQUEST_ERROR;
+the announcements of publications it knows come with it), not from the request: a
+request still unanswered is awaited up to ``discovery_answer_timeout`` (2 s) after
+it was sent, as the index search's lookups are, so a round trip longer than the
+timeout does not make the consumer skip the prefix that is published. The profile does not say which
 shorter prefixes to try; the default list is ``m``, then the largest power of
 two below ``m``, then halving, at most ``max_discovery_prefixes`` entries (so
 discovery ends within that many timeouts); the application may pass its own
@@ -112,10 +117,12 @@ class DiscoveryMixin(ConsumerCore):
             self._no_publication(now)
             return
         prefix = self.prefixes[self._disc_pos]
+        self._disc_progress = now
+        self._disc_unanswered = {}
+        self._disc_deadline = now + self.config.discovery_timeout
         for slot in self._sessions:
             if slot.usable:
                 self._send_namespace(slot, prefix, now)
-        self._disc_deadline = now + self.config.discovery_timeout
 
     def _send_namespace(self, slot: SessionSlot, prefix_blocks: int, now: float) -> None:
         if prefix_blocks in slot.namespaces or not slot.usable:
@@ -127,6 +134,34 @@ class DiscoveryMixin(ConsumerCore):
             return  # e.g. the peer sent GOAWAY meanwhile: this session is not asked
         slot.namespaces[prefix_blocks] = rid
         self._reqs[(slot.index, rid)] = NamespaceRequest(slot.index, rid, prefix_blocks)
+        if self._waits_on(prefix_blocks):
+            self._disc_unanswered[(slot.index, rid)] = now
+            self._set_disc_deadline()
+
+    # --- the wait of the prefix being tried ---------------------------------------------------
+
+    def _waits_on(self, prefix_blocks: int) -> bool:
+        """Whether ``prefix_blocks`` is the direct prefix whose wait is running."""
+        return (
+            self._phase is Phase.DISCOVERING
+            and self._disc_deadline is not None
+            and 0 <= self._disc_pos < len(self.prefixes)
+            and self.prefixes[self._disc_pos] == prefix_blocks
+        )
+
+    def _set_disc_deadline(self) -> None:
+        """``discovery_timeout`` after the last answer to the prefix's requests (or its
+        start), and never before an unanswered one had ``discovery_answer_timeout``."""
+        deadline = self._disc_progress + self.config.discovery_timeout
+        if self._disc_unanswered:
+            sent = max(self._disc_unanswered.values())
+            deadline = max(deadline, sent + self.config.discovery_answer_timeout)
+        self._disc_deadline = deadline
+
+    def _disc_answered(self, key: tuple[int, int], req: NamespaceRequest, now: float) -> None:
+        if self._disc_unanswered.pop(key, None) is not None and self._waits_on(req.prefix_blocks):
+            self._disc_progress = max(self._disc_progress, now)
+            self._set_disc_deadline()
 
     # --- hooks of the index search (``_index_search``) -------------------------------------
 
@@ -174,6 +209,8 @@ class DiscoveryMixin(ConsumerCore):
     ) -> None:
         if isinstance(event, ev.NamespaceAnnounced):
             self._on_announced(slot, req, event.namespace, now)
+        elif isinstance(event, ev.RequestAccepted):
+            self._disc_answered((slot.index, req.request_id), req, now)
         elif isinstance(event, ev.NamespaceWithdrawn):
             kns = KvcsNamespace.try_parse(event.namespace)
             pub = None if kns is None else self._pubs.get(kns.publication_id)
@@ -181,6 +218,7 @@ class DiscoveryMixin(ConsumerCore):
                 pub.sessions.remove(slot.index)
         elif isinstance(event, ev.RequestFailed):
             self._reqs.pop((slot.index, req.request_id), None)
+            self._disc_answered((slot.index, req.request_id), req, now)
 
     def _on_announced(
         self, slot: SessionSlot, req: NamespaceRequest, namespace: TrackNamespace, now: float
