@@ -124,7 +124,7 @@ from kvcs.transports.quic import asyncio_binding as b  # noqa: E402
 from kvcs.transports.quic.config import quic_configuration  # noqa: E402
 from kvcs.transports.quic.stack import load_stack  # noqa: E402
 from kvcs.transports.quic.tls import TlsConfig, self_signed  # noqa: E402
-from kvcs.transports.quic.udp import UdpSocket  # noqa: E402
+from kvcs.transports.quic.udp import open_udp  # noqa: E402
 from kvcs_core.kvcs.consumer import ConsumerConfig  # noqa: E402
 from kvcs_core.kvcs.publisher import AttachState  # noqa: E402
 from kvcs_core.kvsp import CompatibilityDescriptor  # noqa: E402
@@ -393,7 +393,7 @@ class RawPeer:
 
     def __init__(self, args: argparse.Namespace, *, server: bool) -> None:
         self.stack = stack = load_stack(args.stack)
-        self.udp = UdpSocket("127.0.0.1", 0)
+        self.udp = open_udp("127.0.0.1", 0)
         self.conn: Any = None
         if server:
             tls = self_signed(tempfile.mkdtemp(prefix="kvcs-bench-"))

@@ -35,7 +35,7 @@ Figures per configuration (MB = 10**6 bytes):
 * **vs raw**: against a raw pipeline of the same stack and the same hops,
   sender -> forwarder [-> forwarder] -> receiver, each a process driving the
   stack's sans-I/O connection on the project's UDP socket
-  (:mod:`kvcs.transports.quic.udp`, what kvcs uses; for pquic, which owns its
+  (:func:`kvcs.transports.quic.udp.open_udp`, what kvcs uses; for pquic, which owns its
   socket, aiopquic's own asyncio API: ``_raw_pquic.py``): the sender writes every
   (layer, K or V) on its own stream in 32 KiB pieces (at most 1 MiB written and
   unsent, the kvcs pump's bound), each forwarder writes every stream's data on
@@ -115,7 +115,7 @@ from kvcs.adapters.cachefile import llama_descriptor, synthetic  # noqa: E402
 from kvcs.transports.quic.config import quic_configuration  # noqa: E402
 from kvcs.transports.quic.stack import STACKS, StackUnavailable, load_stack  # noqa: E402
 from kvcs.transports.quic.tls import TlsConfig, self_signed  # noqa: E402
-from kvcs.transports.quic.udp import UdpSocket  # noqa: E402
+from kvcs.transports.quic.udp import UdpSocket, open_udp  # noqa: E402
 from kvcs_core.kvsp import CompatibilityDescriptor  # noqa: E402
 
 MIB = 1 << 20
@@ -483,7 +483,7 @@ class Forwarder:
         self.cfg = quic_configuration(
             stack, is_client=False, tls=tls, max_datagram_size=args.datagram_size
         )
-        self.udp = UdpSocket("127.0.0.1", 0)
+        self.udp = open_udp("127.0.0.1", 0)
         self.accepted: dict[Any, Any] = {}  # address -> connection, in order of arrival
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.udp.fileno(), selectors.EVENT_READ, self.udp)
@@ -500,7 +500,7 @@ class Forwarder:
                 server_name="127.0.0.1",
                 max_datagram_size=args.datagram_size,
             )
-            self.up_udp = UdpSocket("127.0.0.1", 0)
+            self.up_udp = open_udp("127.0.0.1", 0)
             self.sel.register(self.up_udp.fileno(), selectors.EVENT_READ, self.up_udp)
             self.up = stack.connection(configuration=ccfg)
             self.up.connect(("127.0.0.1", args.upstream_port), now=time.monotonic())

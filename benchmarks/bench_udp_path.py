@@ -1,4 +1,5 @@
-"""The UDP path's gain: Linux UDP GSO/GRO against one system call per datagram.
+"""The UDP path's gain: Linux UDP GSO/GRO, in Python or in qh3's native batches, against
+one system call per datagram.
 
 Run from the repository root::
 
@@ -6,14 +7,17 @@ Run from the repository root::
         [--stacks aioquic,qh3] [--datagram-sizes default] [--repeat R] [--skip-quic]
 
 Two parts, each figure printed beside its reference measured in the same run
-(the same path with ``KVCS_UDP_GSO=0``, see :mod:`kvcs.transports.quic.udp`):
+(the same path with ``KVCS_UDP_GSO=0``, see :mod:`kvcs.transports.quic.udp`), three
+paths each: *off* (one ``sendto`` / ``recvfrom`` per datagram), *GSO* (the Python
+path: GSO runs planned in Python, GRO buffers split in Python; ``KVCS_UDP_NATIVE=0``)
+and *native* (:class:`~kvcs.transports.quic.udp.NativeUdpSocket`: qh3's quinn-udp
+batches, what :func:`~kvcs.transports.quic.udp.open_udp` gives by default):
 
 * **raw UDP** over 127.0.0.1, per datagram size (``--udp-sizes``): a sender
   process writes ``--mib`` MiB in flushes of :data:`FLUSH` datagrams through
-  :class:`kvcs.transports.quic.udp.UdpSocket` (with GSO: runs of up to 64 in one
-  ``sendmsg``; without: one ``sendto`` each) to a receiver process reading
-  with :meth:`~kvcs.transports.quic.udp.UdpSocket.recv_batch` (with GRO: coalesced
-  buffers split; without: one ``recvfrom`` each). The receiver acknowledges
+  the path's socket (with GSO: runs of up to 64 in one ``sendmsg``; without: one
+  ``sendto`` each) to a receiver process reading with its ``recv_batch`` (with
+  GRO: coalesced buffers split; without: one ``recvfrom`` each). The receiver acknowledges
   every 128 KiB and the sender keeps at most :data:`WINDOW` bytes
   unacknowledged, so the receive buffer never overflows and what is measured
   is delivered data: datagrams/s and MB/s (10**6 bytes) of the receiver's
@@ -23,10 +27,9 @@ Two parts, each figure printed beside its reference measured in the same run
 * **QUIC through kvcs**, per stack and datagram size: the transfers of
   ``benchmarks/bench_quic_transfer.py`` (a relay, a producer and a consumer
   as three processes; and the same bytes over one raw QUIC connection of the
-  same stack, two processes, on the same batched UDP socket), once with
-  ``KVCS_UDP_GSO=0`` and once without, the environment inherited by every
-  process: goodput, and CPU seconds of the relay (which sends and receives
-  every byte) and of the other processes.
+  same stack, two processes, on the same batched UDP socket), once per path,
+  the environment inherited by every process: goodput, and CPU seconds of the
+  relay (which sends and receives every byte) and of the other processes.
 
 Every QUIC transfer is checked (SHA-256 of what arrived against what was
 sent); a mismatch marks the row FAILED. No figure is asserted. On a shared
@@ -53,7 +56,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_quic_transfer as bqt  # noqa: E402
 
-from kvcs.transports.quic.udp import GSO_ENV, UdpSocket  # noqa: E402
+from kvcs.transports.quic.udp import (  # noqa: E402
+    GSO_ENV,
+    NATIVE_ENV,
+    NativeUdpSocket,
+    UdpSocket,
+    open_udp,
+)
 
 MIB = 1 << 20
 FLUSH = 64
@@ -63,6 +72,17 @@ WINDOW = 1 << 20
 ACK_EVERY = 128 * 1024
 IDLE = 1.0
 """Seconds without a datagram after which the raw UDP receiver stops."""
+PATHS = ("off", "gso", "native")
+"""One datagram per call; GSO/GRO in Python; qh3's native batches (module docstring)."""
+ENV = {"off": ("0", "0"), "gso": ("1", "0"), "native": ("1", "1")}
+"""(KVCS_UDP_GSO, KVCS_UDP_NATIVE) per path."""
+
+
+def path_socket(path: str, *, send: bool) -> UdpSocket:
+    if path == "native":
+        return NativeUdpSocket("127.0.0.1", 0)
+    on = path == "gso"
+    return UdpSocket("127.0.0.1", 0, gso=on and send, gro=on and not send)
 
 
 def cpu_self() -> float:
@@ -73,8 +93,8 @@ def cpu_self() -> float:
 # --- raw UDP -----------------------------------------------------------------------------------
 
 
-def udp_receiver(pipe: Connection, nbytes: int, gro: bool) -> None:
-    rx = UdpSocket("127.0.0.1", 0, gso=False, gro=gro)
+def udp_receiver(pipe: Connection, nbytes: int, path: str) -> None:
+    rx = path_socket(path, send=False)
     pipe.send(rx.address[1])
     total = count = 0
     t_first = t_last = 0.0
@@ -101,16 +121,16 @@ def udp_receiver(pipe: Connection, nbytes: int, gro: bool) -> None:
     rx.close()
 
 
-def udp_once(size: int, nbytes: int, offload: bool) -> dict[str, Any]:
+def udp_once(size: int, nbytes: int, path: str) -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=udp_receiver, args=(theirs, nbytes, offload), daemon=True)
+    proc = ctx.Process(target=udp_receiver, args=(theirs, nbytes, path), daemon=True)
     proc.start()
     try:
         if not ours.poll(30):
             raise RuntimeError("the UDP receiver did not start")
         dest = ("127.0.0.1", int(ours.recv()))
-        tx = UdpSocket("127.0.0.1", 0, gso=offload, gro=False)
+        tx = path_socket(path, send=True)
         payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
         total = nbytes // size
         flush = [(payload, dest)] * FLUSH
@@ -168,20 +188,22 @@ def udp_part(args: argparse.Namespace) -> None:
         )
     ]
     for size in args.udp_sizes:
-        best: dict[bool, dict[str, Any]] = {}
+        best: dict[str, dict[str, Any]] = {}
         for _ in range(args.repeat):
-            for offload in (False, True):
-                r = udp_once(size, nbytes, offload)
+            for path in args.paths:
+                r = udp_once(size, nbytes, path)
                 r["rate"] = r["bytes"] / r["seconds"] if r["seconds"] > 0 else 0.0
-                if offload not in best or r["rate"] > best[offload]["rate"]:
-                    best[offload] = r
-        off = best[False]
-        for offload in (False, True):
-            r = best[offload]
-            if offload and not r["gso"]:
+                if path not in best or r["rate"] > best[path]["rate"]:
+                    best[path] = r
+        off = best.get("off", {"rate": 0.0})
+        for path in args.paths:
+            r = best[path]
+            if path == "native":
+                label = "native (qh3 quinn-udp)"
+            elif path == "gso" and not r["gso"]:
                 label = "GSO refused (fallback)"
-            elif offload:
-                label = "GSO+GRO" if r["gro"] else "GSO"
+            elif path == "gso":
+                label = "GSO+GRO (Python)" if r["gro"] else "GSO (Python)"
             else:
                 label = "off (sendto/recvfrom)"
             rows.append(
@@ -204,16 +226,17 @@ def udp_part(args: argparse.Namespace) -> None:
 # --- QUIC through kvcs ---------------------------------------------------------------------------
 
 
-def with_offload(offload: bool, job: Any, *a: Any) -> Any:
-    before = os.environ.get(GSO_ENV)
-    os.environ[GSO_ENV] = "1" if offload else "0"
+def with_path(path: str, job: Any, *a: Any) -> Any:
+    before = {name: os.environ.get(name) for name in (GSO_ENV, NATIVE_ENV)}
+    os.environ[GSO_ENV], os.environ[NATIVE_ENV] = ENV[path]
     try:
         return job(*a)
     finally:
-        if before is None:
-            os.environ.pop(GSO_ENV, None)
-        else:
-            os.environ[GSO_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def quic_part(args: argparse.Namespace) -> None:
@@ -227,12 +250,11 @@ def quic_part(args: argparse.Namespace) -> None:
         (
             "stack",
             "datagram",
-            "path",
-            "GSO off",
-            "GSO on",
-            "on/off",
-            "CPU s off",
-            "CPU s on",
+            "transfer",
+            "UDP path",
+            "goodput",
+            "vs off",
+            "CPU s per process",
             "checked",
         )
     ]
@@ -240,43 +262,39 @@ def quic_part(args: argparse.Namespace) -> None:
         for dgram in args.datagram_sizes:
             size = f"{dgram or bqt.default_datagram_size(stack)} B"
             for path, job in (("kvcs", bqt.run_kvcs), ("raw", bqt.run_raw)):
-                best: dict[bool, dict[str, Any]] = {}
+                best: dict[str, dict[str, Any]] = {}
                 for _ in range(args.repeat):
-                    for offload in (False, True):
-                        r = with_offload(offload, job, ns, stack, dgram, None)
+                    for udp_path in args.paths:
+                        r = with_path(udp_path, job, ns, stack, dgram, None)
                         r["rate"] = nbytes / r["seconds"]
                         cpu = ", ".join(
                             f"{p.name} {bqt.fmt(p.transfer_cpu, '.2f')}" for p in r["procs"]
                         )
-                        state = "on" if offload else "off"
                         print(
-                            f"  {stack} {size} {path} GSO {state}: {r['rate'] / 1e6:.1f} MB/s,"
-                            f" CPU s {cpu}, {r['drops']} UDP drops"
+                            f"  {stack} {size} {path} UDP {udp_path}:"
+                            f" {r['rate'] / 1e6:.1f} MB/s, CPU s {cpu}, {r['drops']} UDP drops"
                             f"{'' if r['ok'] else ', FAILED'}",
                             flush=True,
                         )
-                        if offload not in best or r["rate"] > best[offload]["rate"]:
-                            best[offload] = r
-                off, on = best[False], best[True]
-
-                def cpu_of(r: dict[str, Any]) -> str:
-                    return " ".join(
-                        f"{p.name}={bqt.fmt(p.transfer_cpu, '.2f')}" for p in r["procs"]
+                        if udp_path not in best or r["rate"] > best[udp_path]["rate"]:
+                            best[udp_path] = r
+                off_rate = best["off"]["rate"] if "off" in best else 0.0
+                for udp_path in args.paths:
+                    r = best[udp_path]
+                    rows.append(
+                        (
+                            stack,
+                            size,
+                            path,
+                            udp_path,
+                            f"{r['rate'] / 1e6:.1f} MB/s",
+                            f"{r['rate'] / off_rate:.2f}x" if off_rate else "-",
+                            " ".join(
+                                f"{p.name}={bqt.fmt(p.transfer_cpu, '.2f')}" for p in r["procs"]
+                            ),
+                            "ok" if r["ok"] else "FAILED",
+                        )
                     )
-
-                rows.append(
-                    (
-                        stack,
-                        size,
-                        path,
-                        f"{off['rate'] / 1e6:.1f} MB/s",
-                        f"{on['rate'] / 1e6:.1f} MB/s",
-                        f"{on['rate'] / off['rate']:.2f}x",
-                        cpu_of(off),
-                        cpu_of(on),
-                        "ok" if off["ok"] and on["ok"] else "FAILED",
-                    )
-                )
     bqt.table(rows)
 
 
@@ -295,7 +313,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="best of R per figure")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per QUIC transfer")
     ap.add_argument("--skip-quic", action="store_true", help="the raw UDP part only")
+    ap.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"UDP paths, comma-separated (default {','.join(PATHS)})",
+    )
     args = ap.parse_args()
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not args.paths or any(p not in PATHS for p in args.paths):
+        ap.error(f"--paths takes some of {', '.join(PATHS)}")
     args.udp_sizes = [int(s) for s in args.udp_sizes.split(",") if s.strip()]
     args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
     args.datagram_sizes = [
@@ -311,6 +337,11 @@ def main() -> None:
         f" {os.cpu_count()} CPUs, load average {load[0]:.2f}; best of {args.repeat}"
     )
     probe.close()
+    native = open_udp("127.0.0.1", 0)
+    if "native" in args.paths and not isinstance(native, NativeUdpSocket):
+        print("qh3's native UDP batches are not available here: that path is skipped")
+        args.paths = [p for p in args.paths if p != "native"]
+    native.close()
     started = time.monotonic()
     udp_part(args)
     if not args.skip_quic:

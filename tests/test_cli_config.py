@@ -357,6 +357,7 @@ def test_unknown_variables_warn_reserved_ones_are_silent(
     env = {
         "KVCS_CACHE_BUGDET": "1G",  # misspelt: named on stderr, not an error
         "KVCS_UDP_GSO": "0",  # the project's own switches: silent
+        "KVCS_UDP_NATIVE": "0",
         "KVCS_SHARED": "/tmp",
         "KVCS_TEST_PYTHONS": "python3",
         "KVCS_FETCH_TIMEOUT": "5",  # fetch's option, running relay: silent, unused

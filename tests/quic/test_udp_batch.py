@@ -9,10 +9,14 @@ kernel does not allow with UDP_SEGMENT: EINVAL), every datagram still
 arrives. A send that would block is injected by a wrapper around the real
 socket (loopback UDP never blocks a sender: the kernel frees the send buffer
 as soon as a datagram is queued at the receiver, or dropped), to check that
-what was not sent waits in order. Last, kvcs transfers a cache over real QUIC
-on each stack and loop, with GSO on (bit-identical, and GSO runs and GRO
-segments were used: the endpoint hands the socket whole flushes) and with
-``KVCS_UDP_GSO=0`` (bit-identical, one send call per datagram).
+what was not sent waits in order. :class:`NativeUdpSocket` (qh3's quinn-udp
+batches) is checked the same way on real sockets, and with a stand-in for the
+native state that blocks or fails where told. Last, kvcs transfers a cache over
+real QUIC on each stack and loop: through the native batches (what
+:func:`open_udp` gives by default), with the Python path's GSO on
+(``KVCS_UDP_NATIVE=0``: bit-identical, and GSO runs and GRO segments were used:
+the endpoint hands the socket whole flushes) and with ``KVCS_UDP_GSO=0``
+(bit-identical, one send call per datagram).
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ from kvcs.transports.quic.udp import (
     MAX_PENDING,
     SOL_UDP,
     UDP_GRO,
+    NativeUdpSocket,
     Run,
     UdpSocket,
     gro_segment_size,
+    open_udp,
     plan_runs,
     split_segments,
 )
@@ -355,6 +361,133 @@ def test_a_stuck_socket_drops_the_oldest_beyond_the_bound() -> None:
         tx.close()
 
 
+# --- the native batches (qh3's UdpSocketState) ---------------------------------------------
+
+
+def _native() -> NativeUdpSocket:
+    s = open_udp("127.0.0.1", 0)
+    if not isinstance(s, NativeUdpSocket):
+        s.close()
+        pytest.skip("qh3's UdpSocketState is not available here")
+    return s
+
+
+def test_open_udp_gives_the_native_batches_unless_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVCS_UDP_GSO", raising=False)
+    monkeypatch.delenv("KVCS_UDP_NATIVE", raising=False)
+    s = _native()
+    assert s.stats()["native"] is True
+    s.close()
+    for env in ("KVCS_UDP_NATIVE", "KVCS_UDP_GSO"):
+        with monkeypatch.context() as m:
+            m.setenv(env, "0")
+            s = open_udp("127.0.0.1", 0)
+            assert type(s) is UdpSocket and "native" not in s.stats()
+            s.close()
+
+
+def test_closing_a_native_socket_frees_its_port() -> None:
+    s = _native()
+    port = s.address[1]
+    s.close()
+    again = UdpSocket("127.0.0.1", port)  # the native state's duplicate went with it
+    assert again.address[1] == port
+    again.close()
+
+
+def test_native_batches_keep_each_destinations_order() -> None:
+    tx = _native()
+    rx1, rx2 = _native(), UdpSocket("127.0.0.1", 0, gro=False)
+    try:
+        to1, to2 = _segments(150), _segments(9, size=900)
+        flush = (
+            [(d, rx1.address) for d in to1[:100]]
+            + [(d, rx2.address) for d in to2]
+            + [(d, rx1.address) for d in to1[100:]]
+        )
+        assert not tx.send_batch(flush)
+        assert tx.datagrams_sent == 159 and tx.send_calls == 3  # one call per run
+        got1, got2 = _receive(rx1, 150), _receive(rx2, 9)
+        assert [d for d, _ in got1] == to1 and [d for d, _ in got2] == to2
+        assert {a for _, a in got1} == {tx.address} and {a for _, a in got2} == {tx.address}
+        assert rx1.datagrams_received == 150 and rx1.recv_calls < 150  # batched
+    finally:
+        for s in (tx, rx1, rx2):
+            s.close()
+
+
+class _FakeState:
+    """Stands in for ``UdpSocketState``: the calls in ``script`` (1-based) send only that
+    many datagrams, then raise OSError with ``errno`` and ``datagrams_sent``."""
+
+    max_gso_segments = 64
+    gro_segments = 64
+
+    def __init__(self, fd: int, script: dict[int, tuple[int, int]] | None = None) -> None:
+        self.script = script or {}
+        self.calls = 0
+        self.sent: list[tuple[bytes, Any]] = []
+
+    def recv(self) -> list[tuple[bytes, Any]]:
+        return []
+
+    def send(self, datagrams: list[bytes], addr: Any) -> int:
+        self.calls += 1
+        if self.calls in self.script:
+            n, code = self.script[self.calls]
+            self.sent += [(d, addr) for d in datagrams[:n]]
+            exc = OSError(code, "scripted")
+            exc.datagrams_sent = n  # type: ignore[attr-defined]
+            raise exc
+        self.sent += [(d, addr) for d in datagrams]
+        return len(datagrams)
+
+
+def _scripted(script: dict[int, tuple[int, int]]) -> tuple[NativeUdpSocket, _FakeState]:
+    states: list[_FakeState] = []
+
+    def make(fd: int) -> _FakeState:
+        states.append(_FakeState(fd, script))
+        return states[-1]
+
+    return NativeUdpSocket("127.0.0.1", 0, state_class=make), states[0]
+
+
+def test_native_would_block_keeps_the_rest_and_an_error_drops_one_datagram() -> None:
+    to_a, to_b = _segments(10), _segments(4)
+    flush = [(d, A) for d in to_a] + [(d, B) for d in to_b]
+    # call 1: 6 to A go out, then would block; the rest waits, in order
+    tx, state = _scripted({1: (6, errno.EAGAIN)})
+    try:
+        assert tx.send_batch(flush)
+        assert list(tx.pending) == flush[6:] and tx.datagrams_sent == 6
+        assert not tx.send_batch([])  # writable again
+        assert state.sent == flush and tx.dropped == 0
+    finally:
+        tx.close()
+    # call 1: 3 go out, then a hard error: the 4th is dropped, the rest still goes
+    tx, state = _scripted({1: (3, errno.EMSGSIZE)})
+    try:
+        assert not tx.send_batch(flush)
+        assert state.sent == flush[:3] + flush[4:] and not tx.pending
+        assert tx.datagrams_sent == len(flush) - 1
+    finally:
+        tx.close()
+
+
+def test_a_stuck_native_socket_drops_the_oldest_beyond_the_bound() -> None:
+    tx, _ = _scripted({i: (0, errno.EAGAIN) for i in range(1, 100)})
+    try:
+        flush = [(i.to_bytes(4, "big"), A) for i in range(MAX_PENDING + 100)]
+        assert tx.send_batch(flush)
+        assert tx.dropped == 100
+        assert [d for d, _ in tx.pending] == [d for d, _ in flush[100:]]
+    finally:
+        tx.close()
+
+
 def test_the_probe_is_linux_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     assert not udp.offload_enabled()
@@ -438,10 +571,31 @@ STACKS = [
 
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_kvcs_over_quic_uses_the_native_batches(
+    loop: str, stack: str, tls: TlsConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCS_UDP_GSO", raising=False)
+    monkeypatch.delenv("KVCS_UDP_NATIVE", raising=False)
+    _native().close()  # (skips where it is not available)
+    stats = _run(loop, lambda: _transfer(LOOPS[loop], stack, tls))
+    for who, s in stats.items():
+        assert s["native"] and s["dropped"] == 0, (who, s)
+    # the cache went out in batches and arrived in batches (the consumer's ACKs may
+    # well go one per flush)
+    relay, producer, consumer = stats["relay"], stats["producer"], stats["consumer"]
+    assert relay["send_calls"] < relay["datagrams_sent"], relay
+    assert producer["send_calls"] < producer["datagrams_sent"], producer
+    assert relay["recv_calls"] < relay["datagrams_received"], relay
+    assert consumer["recv_calls"] < consumer["datagrams_received"], consumer
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("loop", sorted(LOOPS))
 def test_kvcs_over_quic_uses_gso_and_gro(
     loop: str, stack: str, tls: TlsConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KVCS_UDP_GSO", raising=False)
+    monkeypatch.setenv("KVCS_UDP_NATIVE", "0")  # the Python path's GSO and GRO
     probe = UdpSocket("127.0.0.1", 0)
     gso, gro = probe.gso, probe.gro
     probe.close()

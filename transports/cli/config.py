@@ -80,6 +80,7 @@ RESERVED_ENV = frozenset(
     {
         CONFIG_ENV,
         "KVCS_UDP_GSO",  # kvcs.transports.quic.udp
+        "KVCS_UDP_NATIVE",  # kvcs.transports.quic.udp
         "KVCS_SHARED",  # kvcs selfcheck's default vector folder
         "KVCS_FUZZ_SECONDS",  # scripts/test.sh
         "KVCS_INTEROP_REPORT",  # tests/interop

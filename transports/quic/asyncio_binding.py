@@ -38,7 +38,7 @@ from .endpoint import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_ADDRESS, QuicEndp
 from .reconnect import DEFAULT_BACKOFF, Backoff
 from .stack import DEFAULT_STACK
 from .tls import TlsConfig
-from .udp import UdpSocket
+from .udp import UdpSocket, open_udp
 
 log = logging.getLogger("kvcs.quic")
 
@@ -150,7 +150,7 @@ async def open_endpoint(
         async with pquic_binding.open_endpoint(endpoint, host, port) as pdriver:  # type: ignore[arg-type]
             yield pdriver  # type: ignore[misc]
         return
-    udp = UdpSocket(host, port)
+    udp = open_udp(host, port)
     driver = AsyncioDriver(endpoint, udp)
     try:
         yield driver

@@ -43,7 +43,7 @@ from .pquic_binding import TRIO_REFUSED
 from .reconnect import DEFAULT_BACKOFF, Backoff
 from .stack import DEFAULT_STACK, StackUnavailable
 from .tls import TlsConfig
-from .udp import UdpSocket
+from .udp import UdpSocket, open_udp
 
 log = logging.getLogger("kvcs.quic")
 
@@ -153,7 +153,7 @@ async def open_endpoint(endpoint: QuicEndpoint, host: str, port: int) -> AsyncIt
     """Bind ``host:port`` and drive ``endpoint`` there until the block ends."""
     if endpoint.stack.name == "pquic":
         raise StackUnavailable(TRIO_REFUSED)
-    udp = UdpSocket(host, port)
+    udp = open_udp(host, port)
     driver = TrioDriver(endpoint, udp)
     try:
         with single_errors():  # one typed error whatever the trio version (.groups)
