@@ -392,6 +392,7 @@ def test_closing_a_native_socket_frees_its_port() -> None:
     s = _native()
     port = s.address[1]
     s.close()
+    assert s.recv_batch() == [] and not s.send_batch([(b"x", A)])  # closed: quietly nothing
     again = UdpSocket("127.0.0.1", port)  # the native state's duplicate went with it
     assert again.address[1] == port
     again.close()

@@ -517,6 +517,8 @@ class NativeUdpSocket(UdpSocket):
     def recv_batch(self) -> list[tuple[bytes, Any]]:
         """Every datagram waiting, up to about :data:`RECV_BATCH` (GRO split natively)."""
         out: list[tuple[bytes, Any]] = []
+        if self._state is None:
+            return out  # closed (the Python path would read nothing either)
         recv = self._state.recv
         while len(out) < RECV_BATCH:
             try:
@@ -539,6 +541,9 @@ class NativeUdpSocket(UdpSocket):
         """Send a flush (with what waited), one native call per run of one destination;
         ``True`` when datagrams wait for writability."""
         pending = self.pending
+        if self._state is None:
+            pending.clear()  # closed: nothing can go out any more
+            return False
         pending.extend(datagrams)
         send = self._state.send
         while pending:
