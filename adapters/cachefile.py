@@ -842,7 +842,9 @@ def full_range_integers(
         or not isinstance(bits, np.random.PCG64)
         or bits.state["has_uint32"]
     ):
-        return gen.integers(0, np.iinfo(dtype).max + 1, size=shape, dtype=dtype)
+        # annotated: numpy 2.5's stubs type integers() with a dtype argument as Any
+        drawn: np.ndarray = gen.integers(0, np.iinfo(dtype).max + 1, size=shape, dtype=dtype)
+        return drawn
     raw = bits.random_raw(nbytes // 8)
     return raw.view(dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(shape)
 
