@@ -32,6 +32,8 @@ ONE_WAY = 0.0005
 WAKE_COST = 0.00005
 """Simulated seconds between an event loop's wakes at the soonest (its own work)."""
 MSS = 1200
+WAKES = 100
+"""Simulated event-loop wakes."""
 
 
 def test_pacer_bucket_holds_its_burst_at_the_floored_packet_time() -> None:
@@ -93,16 +95,14 @@ def test_a_fast_connection_sends_bursts_per_wake(tmp_path: Path) -> None:
         now += ONE_WAY
         _deliver(server, client, ADDR_S, now)
         now += ONE_WAY
-    client._loss._cc.congestion_window = 32 << 20
+    client._loss._cc.congestion_window = 32 << 20  # as it was, whatever the ACKs added
     pacer = client._loss._pacer
     assert pacer.packet_time == pytest.approx(recovery.K_MICRO_SECOND)  # past the floor
 
-    sent, wakes = 0, 0
-    for _ in range(100):  # an event loop: woken by the pacer's timer, no sooner than it can
+    sent = 0
+    for _ in range(WAKES):  # an event loop: woken by the pacer's timer, no sooner than it can
         timer = client.get_timer()
         now = max(now + WAKE_COST, timer if timer is not None else now)
         sent += len(client.datagrams_to_send(now=now))
-        wakes += 1
-    assert wakes == 100
-    assert sent >= 8 * wakes  # aioquic's own pacer: one datagram per wake here
-    assert sent <= 17 * wakes  # never more than its largest burst (and the one it started)
+    assert sent >= 8 * WAKES  # aioquic's own pacer: one datagram per wake here
+    assert sent <= 17 * WAKES  # never more than its largest burst (and the one it started)
