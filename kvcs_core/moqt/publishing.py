@@ -72,10 +72,14 @@ order (d21 sections 3, 5.1.2, 11):
   store holds them they cost nothing beyond it, so a subscriber that is behind
   is served at its own pace. What counts against
   ``max_queued_bytes_per_subscription`` is what its queues hold of groups the
-  store has evicted since they were queued (the store tells its watchers);
+  store has evicted since they were queued (the store tells its watchers; a
+  group evicted again as it grows is counted once, at what is queued of it then);
   past the limit the subscription ends with PUBLISH_DONE TOO_FAR_BEHIND and
   its streams are reset (d21 5.2). A cache's budget, not a per-subscriber
   queue, bounds memory.
+* **Closing** the session lets go of every queued object, snapshot and store
+  listener at once (:meth:`Publisher.release`): a relay's evicted objects that a
+  gone subscriber still queued are freed with it.
 * **Ending**. ``end_subscription`` lets queued objects drain, FINs every stream,
   then sends PUBLISH_DONE with the stream count (d21 9.9: PUBLISH_DONE only after
   every stream is closed). A cancelled subscription resets all its streams
@@ -593,11 +597,17 @@ class Publisher:
             if sender.kind is _Kind.SUBGROUP and sender.group_id != value:
                 continue
             held += sum(o.size for o in sender.queue if o.location.group == value)
+        # Every queued object of the group is unretained now, those counted at an earlier
+        # eviction of the same group too (a group being produced is evicted again as it
+        # grows): set, never add, or they would be counted once per eviction.
+        before = served.unretained.get(value, 0)
         if held:
-            served.unretained[value] = served.unretained.get(value, 0) + held
-            served.unretained_bytes += held
-            if served.unretained_bytes > self._max_queued:
-                self._too_far_behind(served)
+            served.unretained[value] = held
+        elif before:
+            del served.unretained[value]
+        served.unretained_bytes += held - before
+        if held > before and served.unretained_bytes > self._max_queued:
+            self._too_far_behind(served)
 
     def _dequeued(self, served: _Served, obj: StoredObject) -> None:
         served.queued_bytes -= obj.size
@@ -1230,6 +1240,27 @@ class Publisher:
             if obj.status is ObjectStatus.NORMAL:  # status markers are not objects that exist
                 last = obj.location
         return last
+
+    def release(self) -> None:
+        """The session closed: let go of every queued object, snapshot, partly written
+        object and store listener, at once. A closed session sends nothing more, and
+        what it still held would keep a relay's evicted objects in memory (counted against
+        its cache, :mod:`kvcs_core.relay.cache`) for as long as the session object lives."""
+        for served in self._served.values():
+            self._detach(served)
+            served.queued_bytes = 0
+            served.unretained.clear()
+            served.unretained_bytes = 0
+        for sender in [*self._senders.values(), *self._by_stream.values()]:
+            sender.queue.clear()
+            sender.enqueued.clear()
+            sender.partial.clear()
+            sender.cursor = None
+        self._served.clear()
+        self._senders.clear()
+        self._by_stream.clear()
+        self._sched = Scheduler()
+        self._timed.clear()
 
     def _detach(self, served: _Served) -> None:
         if served.listener is not None:

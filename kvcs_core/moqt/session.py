@@ -880,6 +880,7 @@ class MoqtSession(PeerRequests, OwnRequests):
         if isinstance(event, TransportClosed):
             self._closed = True
             self._timers.clear()
+            self.publisher.release()
             initiator = ev.Initiator.PEER if event.by_peer else ev.Initiator.TRANSPORT
             self._out.emit(
                 ev.SessionClosed(code=event.code, reason=event.reason, initiator=initiator)
@@ -1132,5 +1133,6 @@ class MoqtSession(PeerRequests, OwnRequests):
             return
         self._closed = True
         self._timers.clear()
+        self.publisher.release()
         self._out.close(code, reason)
         self._out.emit(ev.SessionClosed(code=code, reason=reason, initiator=initiator))

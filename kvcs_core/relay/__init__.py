@@ -6,6 +6,7 @@ See :mod:`kvcs_core.relay.relay` for the model. Public API::
     relay.add_session(session, upstream=False)      # one MoqtSession per connection
     relay.handle_session_event(session, event, now) # every event of every such session
     relay.handle_timer(now); relay.get_timer()
+    relay.intake_held                               # sessions to hold (a full cache)
     relay.stats(); relay.track_stats(name); relay.cache_bytes; relay.upstream_bytes_received
 """
 

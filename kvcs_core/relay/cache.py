@@ -348,6 +348,13 @@ class Cache:
         """Accounted bytes held now: every entry's cost plus :attr:`pinned_bytes`."""
         self.pinned_bytes = 0
         """Accounted bytes of evicted objects that sessions still hold (module docstring)."""
+        self.evicted_held_bytes = 0
+        """Bytes of evicted objects that sessions still hold, payloads included (the
+        payload buffers are in :attr:`buffer_bytes`, not :attr:`pinned_bytes`): what the
+        relay's intake gate looks at (:mod:`kvcs_core.relay.intake`)."""
+        self.evicted_released_bytes = 0
+        """Bytes released from :attr:`evicted_held_bytes` so far (monotonic: the intake
+        gate sees sessions drain by it)."""
         self._pins: dict[int, weakref.ref[StoredObject]] = {}
         self._buffers: dict[int, list[int]] = {}
         """Payload buffers held: key -> [objects holding it, its bytes] (each counted once)."""
@@ -626,14 +633,21 @@ class Cache:
         key = id(obj)
         pins = self._pins
 
-        def release(_ref: object, key: int = key, cost: int = cost, bkey: int = bkey) -> None:
+        held = cost + obj.size
+
+        def release(
+            _ref: object, key: int = key, cost: int = cost, bkey: int = bkey, held: int = held
+        ) -> None:
             if pins.pop(key, None) is not None:
                 self.pinned_bytes -= cost
+                self.evicted_held_bytes -= held
+                self.evicted_released_bytes += held
                 self.total_bytes -= cost
                 self._let_go(bkey)
 
         pins[key] = weakref.ref(obj, release)
         self.pinned_bytes += cost
+        self.evicted_held_bytes += held
         self.total_bytes += cost
 
     def _peak(self) -> None:

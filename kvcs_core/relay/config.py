@@ -25,6 +25,11 @@ section 7):
   :attr:`RelayConfig.max_transit_bytes` over the whole relay: the re-fetches
   are paced (:mod:`kvcs_core.relay.core`): about one group beyond it at most,
   unless a subscriber stops reading (:attr:`RelayConfig.transit_stall`);
+* the **intake** from publishers is held when the cache is full of what
+  downstream sessions still hold (:attr:`RelayConfig.intake_hold_bytes`,
+  :mod:`kvcs_core.relay.intake`): backpressure reaches the publishers through
+  their transport's flow control, and a hold with nothing draining is given
+  up after :attr:`RelayConfig.intake_stall`;
 * **tracks** are bounded by :attr:`RelayConfig.max_tracks`, and a track
   nobody needs (no publisher, nothing cached, no request) is forgotten at once;
 * **waiting** is bounded in time: a downstream SUBSCRIBE waits for the
@@ -136,6 +141,18 @@ class RelayConfig:
     other late joiner, and what it holds is bounded by its session's
     ``max_queued_bytes_per_subscription`` (past it: PUBLISH_DONE TOO_FAR_BEHIND)."""
 
+    intake_hold_bytes: int = attrs.field(default=8 << 20, validator=_positive)
+    """Bytes of evicted objects that downstream sessions still hold (:mod:`.cache`) at which
+    the relay holds its intake from the sessions that feed it, so that flow control
+    reaches the publishers (:mod:`kvcs_core.relay.intake`); at most half the cache
+    budget is used. Intake opens again when they fall to half of it. Default 8 MiB: with a
+    receive window of 16 MiB per connection, what arrives after a hold starts leaves a
+    subscriber well within the default 64 MiB ``max_queued_bytes_per_subscription``."""
+    intake_stall: float = attrs.field(default=2.0, validator=_positive_time)
+    """A hold during which nothing drains for this long (seconds) is given up: intake
+    opens, and a subscriber that stopped reading alone ends TOO_FAR_BEHIND at its queue
+    limit, instead of freezing the publishers and every other subscriber."""
+
     authorizer: Authorizer | None = attrs.field(default=None, eq=False)
     """CAT-token authorization of downstream sessions and their requests
     (:mod:`kvcs_core.relay.authz`); ``None`` (the default): anonymous access, every
@@ -221,3 +238,14 @@ class RelayStats:
     refused: tuple[tuple[str, int], ...] = ()
     """Requests the relay refused so far (REQUEST_ERROR), as ``(error code name, count)``
     pairs sorted by name."""
+    evicted_held_bytes: int = 0
+    """Bytes of evicted objects (payloads included) that downstream sessions still hold,
+    part of ``cache_bytes``: what the intake gate looks at (:mod:`kvcs_core.relay.intake`)."""
+    intake_held: bool = False
+    """The relay holds its intake from publishers now (the cache is full)."""
+    intake_holds: int = 0
+    """Holds of the intake started so far."""
+    intake_given_up: int = 0
+    """Holds given up so far because nothing drained for ``intake_stall``."""
+    intake_held_seconds: float = 0.0
+    """Time the intake was held so far."""

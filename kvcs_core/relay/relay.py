@@ -48,7 +48,10 @@ behind is served at its own pace: its queues hold references into the cache,
 which costs nothing beyond it; only what they hold of groups the cache has
 evicted counts against its session's ``max_queued_bytes_per_subscription``,
 past which it alone ends with PUBLISH_DONE TOO_FAR_BEHIND (d21 section 5.2,
-:mod:`kvcs_core.moqt.publishing`).
+:mod:`kvcs_core.moqt.publishing`). When the cache is full of what downstream
+sessions still hold, the relay asks the embedding to hold the sessions that feed
+it (:attr:`Relay.intake_held`, :mod:`~kvcs_core.relay.intake`): flow control
+then reaches the publishers, and a hold with nothing draining is given up.
 
 Objects reaching the cache out of order (upstream subgroups, fills and
 fetches travel on separate streams) below a subscriber's live start are sent
@@ -121,6 +124,7 @@ from kvcs_core.moqt.errors import LocalProtocolError
 from kvcs_core.moqt.session import MoqtSession
 from kvcs_core.moqt.windows import fetch_range
 from kvcs_core.relay.config import RelayConfig, RelayStats, TrackStats
+from kvcs_core.relay.intake import IntakeGate
 from kvcs_core.relay.offers import Offers
 from kvcs_core.relay.routing import (
     NamespaceSubscription,
@@ -211,6 +215,14 @@ class Relay(Offers):
         self._hold_until: float | None = None
         self._held: dict[Track, None] = {}
         self._parked: list[DownstreamFetch] = []
+        cfg = self.config
+        self._intake = IntakeGate(
+            max(1, min(cfg.intake_hold_bytes, cfg.cache_budget_bytes // 2)),
+            cfg.intake_stall,
+            cfg.transit_poll,
+        )
+        """Backpressure from a full cache to the publishers (:mod:`.intake`)."""
+        self._intake_held: frozenset[MoqtSession] = frozenset()
 
     # ------------------------------------------------------------------ API
 
@@ -306,6 +318,18 @@ class Relay(Offers):
                 track = self._tracks.get(name)
                 if track is not None:
                     self._forget_idle(track)
+        intake = self._intake
+        intake.update(cache.evicted_held_bytes, cache.evicted_released_bytes, self._now)
+        if intake.held:
+            # the sessions the relay receives objects from (any upstream request
+            # delivering objects); a new feed during a hold is held too
+            self._intake_held = frozenset(
+                peer.session
+                for peer in self._peers.values()
+                if peer.feeds and not peer.session.is_closed
+            )
+        elif self._intake_held:
+            self._intake_held = frozenset()
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` should next be called, or ``None``."""
@@ -316,6 +340,9 @@ class Relay(Offers):
             expiry = self._auth.deadline()
             if expiry is not None and (deadline is None or expiry < deadline):
                 deadline = expiry
+        look = self._intake.deadline(self._now)
+        if look is not None and (deadline is None or look < deadline):
+            deadline = look
         return deadline
 
     def _advance(self, now: float) -> None:
@@ -342,6 +369,18 @@ class Relay(Offers):
     @property
     def sessions(self) -> tuple[MoqtSession, ...]:
         return tuple(self._peers)
+
+    @property
+    def intake_held(self) -> frozenset[MoqtSession]:
+        """The sessions whose input the embedding should stop taking from its transport
+        now, so that flow control reaches the publishers (the cache is full of what
+        downstream sessions still hold: :mod:`kvcs_core.relay.intake`); empty while
+        intake is open. Look after every call into the relay (an input or a timer); hold
+        a session by leaving what its transport received unread (its flow-control credit
+        unextended), and on release hand the session everything that was held. A
+        transport that cannot hold may ignore it: the relay then forwards what does not
+        fit without keeping it (cache module docstring)."""
+        return self._intake_held
 
     def tracks(self) -> tuple[FullTrackName, ...]:
         """Every track the relay keeps state for."""
@@ -399,6 +438,11 @@ class Relay(Offers):
             sessions_added=self.sessions_added,
             upstream_sessions=sum(1 for peer in self._peers.values() if peer.upstream),
             refused=tuple(sorted(self.refused.items())),
+            evicted_held_bytes=cache.evicted_held_bytes,
+            intake_held=self._intake.held,
+            intake_holds=self._intake.holds,
+            intake_given_up=self._intake.given_up,
+            intake_held_seconds=self._intake.held_seconds,
         )
 
     # ------------------------------------------------------------------ downstream requests
