@@ -17,7 +17,14 @@ from kvcs_core.relay.config import RelayConfig
 from kvcs_core.relay.relay import Relay
 
 from .apps import ClientApp, RelayApp
-from .config import DEFAULT_IDLE_TIMEOUT, MoqtUrl, parse_url, quic_configuration
+from .config import (
+    DEFAULT_IDLE_TIMEOUT,
+    MAX_DATA,
+    RELAY_MAX_DATA,
+    MoqtUrl,
+    parse_url,
+    quic_configuration,
+)
 from .endpoint import DEFAULT_MAX_PER_ADDRESS, QuicEndpoint
 from .qlog import qlog_logger
 from .stack import load_stack
@@ -82,6 +89,7 @@ def relay_endpoint(
         max_datagram_size=max_datagram_size,
         webtransport=webtransport,
         idle_timeout=idle_timeout,
+        max_data=RELAY_MAX_DATA if st.hold_input is not None else MAX_DATA,
     )
     if logger is not None:
         cfg.quic_logger = logger
@@ -129,6 +137,8 @@ def client_configuration(
         max_datagram_size=max_datagram_size,
         webtransport=url.webtransport,
         idle_timeout=idle_timeout,
+        # a relay's upstream connections get its window too (config.RELAY_MAX_DATA)
+        max_data=int(getattr(endpoint.configuration, "max_data", MAX_DATA)),
     )
     logger = getattr(endpoint.configuration, "quic_logger", None)
     if logger is not None:  # the endpoint's qlog directory (module docstring)

@@ -80,21 +80,49 @@ def answer_unclaimed(session: MoqtSession, event: SessionEvent, now: float) -> N
 
 
 class RelayApp:
-    """Every connection of the endpoint belongs to one relay."""
+    """Every connection of the endpoint belongs to one relay.
+
+    After every call into the relay, the connections named by ``Relay.intake_held``
+    (the cache is full: :mod:`kvcs_core.relay.intake`) have their input held, and the
+    others released (:meth:`.pump.SessionPump.hold_input`; a stack that cannot hold
+    leaves them as they are)."""
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
+        self._pumps: dict[MoqtSession, SessionPump] = {}
+        self._held: frozenset[MoqtSession] = frozenset()
 
     def connection_made(self, pump: SessionPump, now: float) -> None:
         upstream = bool(pump.quic.configuration.is_client)
+        for session in [s for s, p in self._pumps.items() if p.terminated]:
+            del self._pumps[session]
+        self._pumps[pump.session] = pump
         # a reconnecting upstream (a Link): what it served waits for the next one
         self.relay.add_session(pump.session, upstream=upstream, link=upstream and pump.reconnects)
+        self._sync_intake(now)
 
     def handle_session_event(self, pump: SessionPump, event: SessionEvent, now: float) -> None:
         self.relay.handle_session_event(pump.session, event, now)
+        if type(event) is ev.SessionClosed:
+            self._pumps.pop(pump.session, None)
+        if self.relay.intake_held is not self._held:
+            self._sync_intake(now)
 
     def handle_timer(self, now: float) -> None:
         self.relay.handle_timer(now)
+        self._sync_intake(now)
+
+    def _sync_intake(self, now: float) -> None:
+        want = self.relay.intake_held
+        before, self._held = self._held, want
+        for session in before - want:
+            pump = self._pumps.get(session)
+            if pump is not None:
+                pump.hold_input(False, now)  # its held events wait in pump.events
+        for session in want - before:
+            pump = self._pumps.get(session)
+            if pump is not None:
+                pump.hold_input(True, now)
 
     def get_timer(self) -> float | None:
         return self.relay.get_timer()

@@ -26,6 +26,11 @@ H3_ALPN = "h3"
 DEFAULT_PORT = 443
 MAX_DATA = 64 * 1024 * 1024
 MAX_STREAM_DATA = 16 * 1024 * 1024
+RELAY_MAX_DATA = 16 * 1024 * 1024
+"""A relay's receive window per connection (where its stack can hold input): what a
+publisher may still send after the relay holds its intake (``Relay.intake_held``) must
+fit, with ``RelayConfig.intake_hold_bytes``, within a subscriber's queue limit
+(``SessionConfig.max_queued_bytes_per_subscription``, 64 MiB): 8 + 16 MiB here."""
 MAX_DATAGRAM_FRAME = 65536
 DEFAULT_IDLE_TIMEOUT = 30.0
 """QUIC idle timeout (seconds) of every kvcs connection unless configured: a peer silent
@@ -90,8 +95,12 @@ def quic_configuration(
     max_datagram_size: int | None = None,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     webtransport: bool = False,
+    max_data: int = MAX_DATA,
 ) -> Any:
     """A ``QuicConfiguration`` of ``stack`` for a kvcs client or server.
+
+    ``max_data``: the connection's receive window (bytes; :data:`RELAY_MAX_DATA` for a
+    relay whose stack can hold its input).
 
     ``idle_timeout``: seconds of silence from the peer after which QUIC ends the
     connection (``max_idle_timeout``, RFC 9000 section 10.1; must be > 0).
@@ -107,8 +116,8 @@ def quic_configuration(
         raise ValueError(f"the idle timeout must be > 0 s, not {idle_timeout!r}")
     cfg = stack.configuration(is_client=is_client, alpn_protocols=alpns)
     cfg.max_datagram_frame_size = MAX_DATAGRAM_FRAME
-    cfg.max_data = MAX_DATA
-    cfg.max_stream_data = stack.max_stream_data or MAX_STREAM_DATA
+    cfg.max_data = max_data
+    cfg.max_stream_data = min(max_data, stack.max_stream_data or MAX_STREAM_DATA)
     cfg.idle_timeout = idle_timeout
     if max_datagram_size is not None:
         cfg.max_datagram_size = max_datagram_size

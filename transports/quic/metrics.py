@@ -81,6 +81,16 @@ class RelayCounters:
     """The ``--upstream`` URL, ``None`` without one."""
     upstream_connected: bool
     upstream_reconnects: int
+    evicted_held_bytes: int = 0
+    """Bytes of evicted objects that sessions still hold (what the intake gate looks at)."""
+    intake_held: bool = False
+    """The relay holds its intake from publishers now (its cache is full)."""
+    intake_holds: int = 0
+    """Holds of the intake since the start."""
+    intake_given_up: int = 0
+    """Holds given up since the start (nothing drained for ``intake_stall``)."""
+    intake_held_seconds: float = 0.0
+    """Time the intake was held since the start."""
 
 
 def relay_counters(server: Any) -> RelayCounters:
@@ -116,6 +126,11 @@ def relay_counters(server: Any) -> RelayCounters:
         upstream=None if up is None else str(up.target),
         upstream_connected=bool(up is not None and up.connected),
         upstream_reconnects=0 if link is None else int(link.reconnects),
+        evicted_held_bytes=st.evicted_held_bytes,
+        intake_held=st.intake_held,
+        intake_holds=st.intake_holds,
+        intake_given_up=st.intake_given_up,
+        intake_held_seconds=st.intake_held_seconds,
     )
 
 
@@ -154,6 +169,15 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("bytes_sent_total", "counter", "bytes_out", "payload bytes of the objects sent"),
     ("evicted_groups_total", "counter", "evicted_groups", "groups evicted from the cache"),
     ("evicted_bytes_total", "counter", "evicted_bytes", "accounted bytes evicted from the cache"),
+    ("evicted_held_bytes", "gauge", "evicted_held_bytes",
+     "bytes of evicted objects that sessions still hold"),
+    ("intake_held", "gauge", "intake_held",
+     "1 while the relay holds its intake from publishers (the cache is full), else 0"),
+    ("intake_holds_total", "counter", "intake_holds", "holds of the intake from publishers"),
+    ("intake_given_up_total", "counter", "intake_given_up",
+     "holds given up because nothing drained for intake_stall"),
+    ("intake_held_seconds_total", "counter", "intake_held_seconds",
+     "seconds the intake from publishers was held"),
 )  # fmt: skip
 """Every metric of :class:`RelayMetrics` but the labelled and upstream ones:
 ``kvcs_relay_requests_refused_total{reason="<REQUEST_ERROR code name>"}`` (counter),

@@ -221,6 +221,8 @@ class SessionPump:
         self._bidi_base = 0
         """Bidi streams of ours opened before the session started (not the session's)."""
         self._credit_reported: int | None = None
+        self.input_held = False
+        """The connection's input is held (:meth:`hold_input`)."""
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -364,6 +366,29 @@ class SessionPump:
             else:
                 self._unsent_streams.discard(sid)
         return total
+
+    def hold_input(self, held: bool, now: float) -> bool:
+        """Stop (``held``) or resume taking what the connection receives, so that its
+        flow-control credit stops growing and the peer is held back (a relay whose cache
+        is full, ``Relay.intake_held``; :attr:`.stack.QuicStack.hold_input`). On resume,
+        everything received meanwhile is carried to the session at once. ``False``: the
+        stack cannot hold, or the connection is gone (nothing changed)."""
+        if held == self.input_held:
+            return True
+        hold = self.stack.hold_input
+        if hold is None or self._stack_failed or (held and self.terminated):
+            return False
+        try:
+            done = hold(self.quic, held)
+        except Exception as exc:  # a stack failure ends this connection only
+            self._on_stack_failure("hold_input", exc, now)
+            return False
+        if not done:
+            return False
+        self.input_held = held
+        if not held:
+            self._process_quic_events(now)
+        return True
 
     # --- local commands ------------------------------------------------------------------
 

@@ -89,6 +89,36 @@ connection's pacer a bucket of at least the burst's packets at the floored packe
 so the pacer allows the bursts it means to (2 to 16 packets) at any rate, and below
 the floor nothing changes.
 
+Holding input (backpressure from a relay whose cache is full to its publishers,
+``Relay.intake_held``, :mod:`kvcs_core.relay.intake`): QUIC flow control (RFC 9000
+section 4) stops a sender at the credit its receiver granted, so a receiver holds its
+peer back by not extending that credit. The stacks extend it at different moments, and
+:attr:`QuicStack.hold_input` holds each at its own:
+
+* qh3 2.1's native core credits data when the application *takes* it: its
+  ``poll_event`` hands a ``StreamData`` event out and, once what is left of a window is
+  at most half of it, raises the limit to what was taken plus the window (MAX_DATA,
+  MAX_STREAM_DATA). qh3's Python ``QuicConnection`` takes every core event right after
+  each datagram and timer (``_drain_core``), so :func:`_qh3_hold_input` shadows that
+  method on the held connection with one that takes nothing: what arrives waits in the
+  core, within the window, and the peer stops once the window is used. Every other core
+  event waits too (control messages, the connection's end), so a relay holds only the
+  sessions that feed it, for a bounded time. On release the method is restored and
+  called at once: no datagram may come to call it, since the peer is blocked.
+* aioquic 1.7 hands data over as it arrives and credits from what it *received*
+  (``_write_connection_limits``, ``_write_stream_limits``, called as it builds packets),
+  doubling a window whenever more than half of it was used, so what it granted ahead
+  grows with the transfer. :func:`_aioquic_credit_windows` replaces both writers on
+  every connection: credit then slides by the configured window (raised to what was
+  received plus the window once less than half of it is left, as qh3 does), never
+  doubles, and while held is not raised at all. What kvcs has taken from the connection
+  is then held in the session's queues, bounded by that window.
+* aiopquic (:mod:`.pquic_binding`) cannot hold: picoquic credits when its Cython layer
+  drains one ring shared by every connection of the endpoint.
+
+Where a stack is not built as expected, ``hold_input`` answers ``False`` and nothing is
+held (the relay then forwards what does not fit without keeping it).
+
 And one limit is raised: how many bidirectional streams the peer may have open at
 once. Every MOQT request is a bidirectional stream that stays open while the
 request lives, and a publication's KVSP index (binding 9) keeps one
@@ -199,10 +229,99 @@ class QuicStack:
     retry: RetryKit | None = None
     """How a server of this stack validates clients' addresses with a Retry, ``None``:
     it never does (module docstring: qh3 needs it for some clients)."""
+    hold_input: Callable[[Any, bool], bool] | None = None
+    """``(connection, held) -> whether it is done``: stop (``True``) or resume (``False``)
+    handing the application what the connection received, so that its flow-control
+    credit stops growing (module docstring, "Holding input"); on resume, what was held
+    is handed over at once. ``None``: the stack cannot hold (every byte received is
+    credited back at once)."""
     max_stream_data: int | None = None
     """The per-stream receive window kvcs configures (``max_stream_data``), ``None``: the
     common one (:data:`~.config.MAX_STREAM_DATA`). A stack that reserves receive memory
     per stream in proportion to its window gives a smaller one (:mod:`.pquic_binding`)."""
+
+
+def _no_drain() -> None:
+    """qh3's ``_drain_core`` while a connection's input is held (module docstring)."""
+
+
+def _qh3_hold_input(conn: Any, held: bool) -> bool:
+    """Hold a qh3 connection's input by leaving its native core's events undrained (module
+    docstring, "Holding input"); ``False`` where qh3 is not built as expected."""
+    if not callable(getattr(type(conn), "_drain_core", None)) or not hasattr(conn, "__dict__"):
+        return False
+    if held:
+        conn.__dict__["_drain_core"] = _no_drain
+        return True
+    conn.__dict__.pop("_drain_core", None)
+    if getattr(conn, "_core", None) is not None:
+        conn._drain_core()  # what arrived while held (no datagram may come to drain it)
+    return True
+
+
+_AIOQUIC_HELD = "_kvcs_input_held"
+"""Set on an aioquic connection whose limit writers :func:`_aioquic_credit_windows` wrapped:
+``True`` while its input is held."""
+
+
+def _aioquic_hold_input(conn: Any, held: bool) -> bool:
+    """Hold an aioquic connection's input by not raising its receive limits (module
+    docstring, "Holding input"): aioquic hands data over as it arrives and credits from
+    what it received, so the credit is what is held."""
+    if _AIOQUIC_HELD not in getattr(conn, "__dict__", {}):
+        return False
+    setattr(conn, _AIOQUIC_HELD, held)
+    return True
+
+
+def _aioquic_credit_windows(conn: Any) -> None:
+    """Make aioquic extend its receive credit by a fixed window, and hold it on request
+    (module docstring, "Holding input"); where aioquic is not built as expected its own
+    limits stay, and its input cannot be held."""
+    max_data = getattr(conn, "_local_max_data", None)
+    write_connection = getattr(conn, "_write_connection_limits", None)
+    write_stream = getattr(conn, "_write_stream_limits", None)
+    if (
+        max_data is None
+        or not hasattr(max_data, "used")
+        or not callable(write_connection)
+        or not callable(write_stream)
+    ):
+        log.debug("aioquic: no receive limits where expected; its credit kept as is")
+        return
+    connection_window = int(max_data.value)
+    stream_window = int(conn._configuration.max_stream_data)
+
+    def write_connection_limits(builder: Any, space: Any) -> None:
+        if conn.__dict__[_AIOQUIC_HELD]:
+            return
+        used = max_data.used
+        if max_data.value - used <= connection_window // 2:
+            max_data.value = used + connection_window
+        max_data.used = 0  # read only by aioquic's doubling test, which this replaces
+        try:
+            write_connection(builder, space)
+        finally:
+            max_data.used = used
+
+    def write_stream_limits(builder: Any, space: Any, stream: Any) -> None:
+        if conn.__dict__[_AIOQUIC_HELD]:
+            return
+        receiver = stream.receiver
+        high = receiver.highest_offset
+        if stream.max_stream_data_local and stream.max_stream_data_local - high <= (
+            stream_window // 2
+        ):
+            stream.max_stream_data_local = high + stream_window
+        receiver.highest_offset = 0  # read only by aioquic's doubling test, as above
+        try:
+            write_stream(builder, space, stream)
+        finally:
+            receiver.highest_offset = high
+
+    conn.__dict__[_AIOQUIC_HELD] = False
+    conn._write_connection_limits = write_connection_limits
+    conn._write_stream_limits = write_stream_limits
 
 
 def _aioquic_unsent(conn: Any, stream_id: int) -> int:
@@ -426,6 +545,7 @@ def _aioquic_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any
             keep_pacing_bursts(pacer)
         else:
             log.debug("aioquic: no QuicPacketPacer where expected; its pacing kept")
+        _aioquic_credit_windows(conn)
         return conn
 
     return connection
@@ -454,6 +574,7 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         datagrams = _aioquic_datagrams
         credit = _aioquic_bidi_credit
         connection = _aioquic_connection(conn_mod.QuicConnection)
+        hold: Callable[[Any, bool], bool] = _aioquic_hold_input
     else:
         buffer_cls = importlib.import_module("qh3._hazmat").Buffer
         unsent = _qh3_unsent
@@ -463,6 +584,7 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         credit = _qh3_bidi_credit
         _qh3_more_streams(conn_mod)  # before any connection: a server's builds its core at once
         connection = _qh3_connection(conn_mod.QuicConnection)
+        hold = _qh3_hold_input
     pull = packet_mod.pull_quic_header
 
     def pull_header(data: bytes, cid_length: int) -> Any:
@@ -499,4 +621,5 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         h3_connection=h3_mod.H3Connection if h3_mod is not None else None,
         h3_events=h3_events_mod,
         retry=retry,
+        hold_input=hold,
     )

@@ -1,0 +1,191 @@
+"""Backpressure from a full relay cache to the publisher, over real QUIC (#11).
+
+A relay on 127.0.0.1 with a 4 MiB cache serves a 24 MiB cache published live to two
+consumers, on aioquic and on qh3. The relay cannot send to one of them for a while (its
+connection's send budget is set to nothing, as a congested path would do): that
+consumer's queues keep references into the cache, the cache evicts groups they still
+hold, and at the hold mark (2 MiB: ``RelayConfig.intake_hold_bytes`` capped at half the
+budget) the relay holds its intake from the publisher (``Relay.intake_held``: the pump
+stops taking the publisher's data, so QUIC flow control stops it). The numbers are the
+defaults scaled down by four (the relay's receive window, ``RELAY_MAX_DATA`` by
+default, is set to 4 MiB here, and the slow consumer's queue limit to 10 MiB), so that
+the bound is what it is with the defaults: the hold mark plus one window stays below a
+subscriber's queue limit.
+
+While held, the relay takes no more than that window from the publisher, which keeps
+data unsent, and what the relay holds of evicted objects stays within the hold mark plus
+the window. When the consumer's path opens again it drains, the relay releases the
+publisher, and both consumers complete bit for bit; no hold was given up.
+
+The same scenario where the stack cannot hold (``QuicStack.hold_input`` refusing): the
+relay decides to hold, nothing stops the publisher, and the slow consumer's subscription
+passes its queue limit (PUBLISH_DONE TOO_FAR_BEHIND).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import attrs
+import pytest
+from test_quic_inprocess import (
+    HAVE_QH3,
+    SCOPE_KEY,
+    WAIT,
+    _identical,
+    _put_layers,
+    _run,
+    _start_retrieval,
+    _trusting,
+    tls,
+)
+
+from kvcs.adapters.cachefile import CacheFile, llama_descriptor, synthetic
+from kvcs.adapters.numpy_kv import KvDestination
+from kvcs.transports.quic import asyncio_binding
+from kvcs.transports.quic import stack as stack_mod
+from kvcs.transports.quic.apps import ClientApp
+from kvcs.transports.quic.endpoint import QuicEndpoint
+from kvcs.transports.quic.pump import SessionPump
+from kvcs.transports.quic.tls import TlsConfig
+from kvcs_core.kvcs.consumer import ManifestAccepted
+from kvcs_core.moqt import events as ev
+from kvcs_core.moqt.config import SessionConfig
+from kvcs_core.relay import RelayConfig
+from kvcs_core.wire.codes import PublishDoneCode
+
+__all__ = ["tls"]  # fixture
+
+STACKS = ["aioquic", pytest.param("qh3", marks=pytest.mark.skipif(not HAVE_QH3, reason="no qh3"))]
+
+LAYERS, TOKENS = 6, 1024
+"""24 MiB: 6 layers x 1024 tokens x 4 KiB (8 KV heads x 128 x bf16, K and V)."""
+BUDGET = 4 << 20
+HOLD = BUDGET // 2
+"""The hold mark: ``RelayConfig.intake_hold_bytes`` (8 MiB) capped at half the budget."""
+WINDOW = 4 << 20
+"""The relay's receive window per connection in this test."""
+QUEUE_LIMIT = 10 << 20
+SLACK = 1 << 20
+"""Accounting overheads and one object in flight beyond hold mark plus window."""
+
+
+def _source() -> CacheFile:
+    return synthetic(llama_descriptor(layers=LAYERS, block_tokens=64), TOKENS, seed=11)
+
+
+@attrs.define
+class Seen:
+    held_at: float | None = None
+    max_pinned: int = 0
+    max_received: int = 0
+    taken_while_held: int | None = None
+    publisher_unsent_while_held: int = 0
+    released: bool = False
+    too_far_behind: int = 0
+
+
+async def _scenario(stack: str, tls: TlsConfig, seen: Seen) -> tuple[Any, list[bool]]:
+    b = asyncio_binding
+    source = _source()
+    dests = [KvDestination(source.cd, TOKENS) for _ in range(2)]
+    config = RelayConfig(cache_budget_bytes=BUDGET, intake_stall=30.0)
+
+    def count_too_far_behind(_pump: SessionPump, event: Any, _now: float) -> None:
+        if type(event) is ev.PublishDoneReceived and event.status == PublishDoneCode.TOO_FAR_BEHIND:
+            seen.too_far_behind += 1
+
+    def connect() -> Any:
+        return b.connect(server.url, tls=_trusting(tls), stack=stack, timeout=WAIT)
+
+    async with b.serve_relay("127.0.0.1:0", tls=tls, stack=stack, relay_config=config) as server:
+        endpoint: QuicEndpoint = server.driver.endpoint
+        endpoint.configuration.max_data = WINDOW
+        endpoint.configuration.max_stream_data = WINDOW
+        endpoint.session_config = lambda role: SessionConfig(
+            role=role, max_queued_bytes_per_subscription=QUEUE_LIMIT
+        )
+        relay = server.relay
+        async with connect() as producer, connect() as fast, connect() as slow:
+            assert len(endpoint.pumps) == 3
+            slow_path: SessionPump = endpoint.pumps[2]  # the relay's side, accepted third
+            publisher_pump: SessionPump = producer.pump
+            app: ClientApp = slow.app
+            app.watchers.append(count_too_far_behind)
+            normal_unsent = slow_path.max_unsent
+            pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
+            retrievals = [
+                _start_retrieval(c, source, d) for c, d in ((fast, dests[0]), (slow, dests[1]))
+            ]
+            # both consumers found the publication and subscribed to its tracks
+            await server.driver.wait_for(
+                lambda: all(
+                    any(isinstance(e, ManifestAccepted) for e in r.events) for r in retrievals
+                ),
+                WAIT,
+            )
+            await asyncio.sleep(0.3)  # their data SUBSCRIBEs reach the relay
+            slow_path.max_unsent = 0  # the relay cannot send it object data for now
+
+            async def watch() -> None:
+                deadline = time.monotonic() + WAIT
+                while time.monotonic() < deadline:
+                    st = relay.stats()
+                    seen.max_pinned = max(seen.max_pinned, st.evicted_held_bytes)
+                    seen.max_received = max(seen.max_received, st.upstream_bytes_received)
+                    if st.intake_held and seen.held_at is None:
+                        seen.held_at = time.monotonic()
+                        at = st.upstream_bytes_received
+                        await asyncio.sleep(0.5)  # held: the publisher is stopped
+                        st = relay.stats()
+                        seen.max_pinned = max(seen.max_pinned, st.evicted_held_bytes)
+                        seen.taken_while_held = st.upstream_bytes_received - at
+                        seen.publisher_unsent_while_held = publisher_pump.unsent_bytes()
+                        slow_path.max_unsent = normal_unsent  # the path opens again
+                    if seen.held_at is not None and not st.intake_held:
+                        seen.released = True
+                        return
+                    await asyncio.sleep(0.002)
+                slow_path.max_unsent = normal_unsent
+
+            results = await asyncio.gather(
+                _put_layers(pub, source),
+                watch(),
+                *(r.result(timeout=WAIT * 2, strict=False) for r in retrievals),
+            )
+            stats = relay.stats()
+    done = [bool(r.complete) for r in results[2:]]
+    same = [_identical(source, d, TOKENS) for d in dests]
+    return stats, [*done, *same]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_full_cache_holds_the_publisher_and_nobody_is_dropped(stack: str, tls: TlsConfig) -> None:
+    seen = Seen()
+    stats, ok = _run("asyncio", lambda: _scenario(stack, tls, seen), 120)
+    assert seen.held_at is not None, seen
+    assert stats.intake_holds >= 1 and stats.intake_given_up == 0, stats
+    assert seen.released, seen
+    # held, the relay took at most what the publisher had credit for, and then stopped
+    assert seen.taken_while_held is not None and seen.taken_while_held <= WINDOW, seen
+    assert seen.publisher_unsent_while_held > 0, seen
+    # what the slow consumer's queues held of evicted objects stayed under its limit
+    assert seen.max_pinned <= HOLD + WINDOW + SLACK, seen
+    assert seen.too_far_behind == 0, seen
+    assert ok == [True, True, True, True], (ok, seen)
+    assert stats.upstream_bytes_received >= LAYERS * TOKENS * 4096
+
+
+@pytest.mark.skipif(not HAVE_QH3, reason="no qh3")
+def test_without_a_hold_the_slow_consumer_passes_its_queue_limit(
+    tls: TlsConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stack_mod, "_qh3_hold_input", lambda conn, held: False)
+    seen = Seen()
+    _stats, _ok = _run("asyncio", lambda: _scenario("qh3", tls, seen), 120)
+    # the relay decided to hold, but the transport could not: intake went on
+    assert seen.held_at is not None and seen.taken_while_held is not None, seen
+    assert seen.taken_while_held > WINDOW, seen
+    assert seen.max_pinned > QUEUE_LIMIT or seen.too_far_behind > 0, seen
