@@ -261,23 +261,28 @@ def _qh3_hold_input(conn: Any, held: bool) -> bool:
 
 _AIOQUIC_HELD = "_kvcs_input_held"
 """Set on an aioquic connection whose limit writers :func:`_aioquic_credit_windows` wrapped:
-``True`` while its input is held."""
+a one-item list, ``[True]`` while its input is held."""
 
 
 def _aioquic_hold_input(conn: Any, held: bool) -> bool:
     """Hold an aioquic connection's input by not raising its receive limits (module
     docstring, "Holding input"): aioquic hands data over as it arrives and credits from
     what it received, so the credit is what is held."""
-    if _AIOQUIC_HELD not in getattr(conn, "__dict__", {}):
+    state = getattr(conn, "__dict__", {}).get(_AIOQUIC_HELD)
+    if not isinstance(state, list):
         return False
-    setattr(conn, _AIOQUIC_HELD, held)
+    state[0] = held
     return True
 
 
 def _aioquic_credit_windows(conn: Any) -> None:
     """Make aioquic extend its receive credit by a fixed window, and hold it on request
     (module docstring, "Holding input"); where aioquic is not built as expected its own
-    limits stay, and its input cannot be held."""
+    limits stay, and its input cannot be held.
+
+    aioquic calls the stream writer for every stream in every packet it builds, so the
+    wrapper returns at once when there is nothing to raise or send, and calls aioquic's
+    writer (to write the frame) only when there is."""
     max_data = getattr(conn, "_local_max_data", None)
     write_connection = getattr(conn, "_write_connection_limits", None)
     write_stream = getattr(conn, "_write_stream_limits", None)
@@ -290,36 +295,40 @@ def _aioquic_credit_windows(conn: Any) -> None:
         log.debug("aioquic: no receive limits where expected; its credit kept as is")
         return
     connection_window = int(max_data.value)
+    connection_half = connection_window // 2
     stream_window = int(conn._configuration.max_stream_data)
+    stream_half = stream_window // 2
+    held = [False]
 
     def write_connection_limits(builder: Any, space: Any) -> None:
-        if conn.__dict__[_AIOQUIC_HELD]:
+        if held[0]:
             return
         used = max_data.used
-        if max_data.value - used <= connection_window // 2:
+        if max_data.value - used <= connection_half:
             max_data.value = used + connection_window
         max_data.used = 0  # read only by aioquic's doubling test, which this replaces
         try:
-            write_connection(builder, space)
+            write_connection(builder, space)  # also MAX_STREAMS
         finally:
             max_data.used = used
 
     def write_stream_limits(builder: Any, space: Any, stream: Any) -> None:
-        if conn.__dict__[_AIOQUIC_HELD]:
+        local = stream.max_stream_data_local
+        if held[0] or not local:  # zero: a stream of ours that receives nothing
             return
         receiver = stream.receiver
         high = receiver.highest_offset
-        if stream.max_stream_data_local and stream.max_stream_data_local - high <= (
-            stream_window // 2
-        ):
+        if local - high <= stream_half:
             stream.max_stream_data_local = high + stream_window
+        elif stream.max_stream_data_local_sent == local:
+            return  # nothing to raise, nothing to send
         receiver.highest_offset = 0  # read only by aioquic's doubling test, as above
         try:
             write_stream(builder, space, stream)
         finally:
             receiver.highest_offset = high
 
-    conn.__dict__[_AIOQUIC_HELD] = False
+    conn.__dict__[_AIOQUIC_HELD] = held
     conn._write_connection_limits = write_connection_limits
     conn._write_stream_limits = write_stream_limits
 
