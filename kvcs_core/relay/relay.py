@@ -323,11 +323,13 @@ class Relay(Offers):
         if intake.held:
             # the sessions the relay receives objects from (any upstream request
             # delivering objects); a new feed during a hold is held too
-            self._intake_held = frozenset(
+            feeding = frozenset(
                 peer.session
                 for peer in self._peers.values()
                 if peer.feeds and not peer.session.is_closed
             )
+            if feeding != self._intake_held:
+                self._intake_held = feeding  # a new object only when it changed
         elif self._intake_held:
             self._intake_held = frozenset()
 
