@@ -281,6 +281,15 @@ _ABANDONED = _Sender(sid=-1, kind=_Kind.SUBGROUP, served=None, finished=True)  #
 """Stands in for a subgroup reset after a delivery timeout: objects offered to it are dropped."""
 
 
+def _drop_queued(sender: _Sender) -> None:
+    """Let go of everything ``sender`` still had to write (queued objects, its snapshot,
+    the object it was writing)."""
+    sender.queue.clear()
+    sender.enqueued.clear()
+    sender.partial.clear()
+    sender.cursor = None
+
+
 def _delivery_timeout(
     params: p.Parameters,
     store: TrackStore,
@@ -1251,11 +1260,8 @@ class Publisher:
             served.queued_bytes = 0
             served.unretained.clear()
             served.unretained_bytes = 0
-        for sender in [*self._senders.values(), *self._by_stream.values()]:
-            sender.queue.clear()
-            sender.enqueued.clear()
-            sender.partial.clear()
-            sender.cursor = None
+        for sender in self._senders.values():  # every sender (_by_stream: those with a stream)
+            _drop_queued(sender)
         self._served.clear()
         self._senders.clear()
         self._by_stream.clear()
@@ -1275,10 +1281,7 @@ class Publisher:
             return
         if sender.stream is not None:
             self._out.abort(sender.stream, AbortKind.RESET, code)
-        sender.queue.clear()
-        sender.enqueued.clear()
-        sender.partial.clear()
-        sender.cursor = None
+        _drop_queued(sender)
         self._mark_finished(sender)
 
     def _too_far_behind(self, served: _Served) -> None:

@@ -7,19 +7,20 @@ Upstream intake and downstream delivery are decoupled through the cache
 own pace from references into the cache, and costs nothing beyond it. The
 cache is *full* when that stops being true: it had to evict groups that
 downstream sessions still hold (queued live objects, fill and FETCH
-snapshots). Those objects stay in memory until sent, *pinned*
-(:attr:`~kvcs_core.relay.cache.Cache.pinned_bytes`), and each evicted byte a
-subscriber still queues counts against its session's
+snapshots). Those objects stay in memory until sent
+(:attr:`~kvcs_core.relay.cache.Cache.evicted_held_bytes`, payloads included), and
+each evicted byte a subscriber still queues counts against its session's
 ``max_queued_bytes_per_subscription`` (d21 section 5.2: past it, PUBLISH_DONE
-TOO_FAR_BEHIND). So pinned bytes are the measure: while they stay low, the
+TOO_FAR_BEHIND). So those *held* bytes are the measure: while they stay low, the
 relay takes everything upstream sends; once they reach the *hold mark*, taking
 more would only evict more of what a subscriber is about to read.
 
 :class:`IntakeGate` is the decision, free of I/O. It is fed, after every
-input and every poll, the pinned bytes and the total bytes ever unpinned (a
-monotonic count, so that progress is seen even while new pins arrive):
+input and every poll, the held bytes and the total bytes ever released
+(:attr:`~kvcs_core.relay.cache.Cache.evicted_released_bytes`, a monotonic
+count, so that progress is seen even while new objects are evicted):
 
-* **open** -> **held** when the pinned bytes reach the hold mark
+* **open** -> **held** when the held bytes reach the hold mark
   (``RelayConfig.intake_hold_bytes``, at most half the cache budget). The
   relay then names the sessions it receives objects from
   (:attr:`kvcs_core.relay.relay.Relay.intake_held`), and the embedding stops
@@ -27,19 +28,19 @@ monotonic count, so that progress is seen even while new pins arrive):
   section 4: credit follows what the receiving application consumes) reaches
   the publishers. MOQT itself has no message for this; the transport's flow
   control is the whole mechanism, and the relay sends nothing new on the wire.
-* **held** -> **open** when the pinned bytes fall to half the hold mark
+* **held** -> **open** when the held bytes fall to half the hold mark
   (hysteresis: one release lets a batch through, not one object at a time).
-* **held** -> **given up** when nothing is unpinned for
+* **held** -> **given up** when nothing is released for
   ``RelayConfig.intake_stall`` seconds: a subscriber that stopped reading must
   not freeze the publishers and every other subscriber with it. Intake opens,
   and the relay behaves as without backpressure: what no longer fits is
   forwarded, not kept, and the stalled subscriber alone ends TOO_FAR_BEHIND at
-  its queue limit, which frees its pins.
-* **given up** -> **open** once the pinned bytes fall to half the hold mark.
+  its queue limit, which frees what it held.
+* **given up** -> **open** once the held bytes fall to half the hold mark.
 
 While held, the relay asks to be called again every
-``RelayConfig.transit_poll`` (sessions unpin as their transport pulls, which
-is no input to the relay).
+``RelayConfig.transit_poll`` (sessions release objects as their transport
+pulls, which is no input to the relay).
 
 What arrives after a hold starts (credit the transport had granted before) is
 taken as usual: the headroom between the hold mark and a subscriber's queue
@@ -60,15 +61,15 @@ class IntakeState(enum.IntEnum):
     HELD = 1
     """The cache is full: the sessions feeding it are held."""
     GIVEN_UP = 2
-    """A hold stalled (nothing drained): open until the pinned bytes fall again."""
+    """A hold stalled (nothing drained): open until the held bytes fall again."""
 
 
 class IntakeGate:
     """Decides when the relay holds its upstream intake (module docstring).
 
     Args:
-        hold_bytes: pinned bytes at which intake is held (> 0).
-        stall: seconds without anything unpinned after which a hold is given up (> 0).
+        hold_bytes: held bytes of evicted objects at which intake is held (> 0).
+        stall: seconds without anything released after which a hold is given up (> 0).
         poll: seconds between looks while held (> 0).
     """
 
@@ -87,29 +88,31 @@ class IntakeGate:
         self.held_seconds = 0.0
         """Time spent held so far (ended holds, and the current one up to the last update)."""
         self._since: float | None = None
-        """When the current hold started, or last saw progress (unpinned bytes)."""
+        """When the current hold started, or last saw progress (bytes released)."""
         self._last: float | None = None
         """When the current hold was last updated."""
-        self._unpinned_seen = 0
+        self._released_seen = 0
 
     @property
     def held(self) -> bool:
         return self.state is IntakeState.HELD
 
-    def update(self, pinned: int, unpinned_total: int, now: float) -> bool:
-        """Look at the cache after an input or a poll; ``True`` when the state changed."""
+    def update(self, held: int, released_total: int, now: float) -> bool:
+        """Look at the cache after an input or a poll (``held``: bytes of evicted objects
+        sessions still hold; ``released_total``: such bytes released so far); ``True``
+        when the state changed."""
         state = self.state
-        progressed = unpinned_total > self._unpinned_seen
-        self._unpinned_seen = unpinned_total
+        progressed = released_total > self._released_seen
+        self._released_seen = released_total
         if state is IntakeState.OPEN:
-            if pinned < self.hold_bytes:
+            if held < self.hold_bytes:
                 return False
             self.state = IntakeState.HELD
             self.holds += 1
             self._since = self._last = now
             return True
         if state is IntakeState.GIVEN_UP:
-            if pinned > self.resume_bytes:
+            if held > self.resume_bytes:
                 return False
             self.state = IntakeState.OPEN
             return True
@@ -117,7 +120,7 @@ class IntakeGate:
         assert self._since is not None and self._last is not None
         self.held_seconds += max(0.0, now - self._last)
         self._last = now
-        if pinned <= self.resume_bytes:
+        if held <= self.resume_bytes:
             self.state = IntakeState.OPEN
             self._since = self._last = None
             return True

@@ -300,9 +300,9 @@ class Relay(Offers):
             self._end_hold()
         if self._auth is not None:
             self._auth.expire(now)  # sessions whose SETUP token expired (authz docstring)
-        self._settle()
+        self._settle(timer=True)
 
-    def _settle(self) -> None:
+    def _settle(self, *, timer: bool = False) -> None:
         """After every input: the cache within its budget (cache docstring), and tracks
         whose cache emptied forgotten if nothing else needs them; re-fetches waiting for
         transit room looked at again (:meth:`~.core.RelayCore._pace`)."""
@@ -319,10 +319,12 @@ class Relay(Offers):
                 if track is not None:
                     self._forget_idle(track)
         intake = self._intake
-        intake.update(cache.evicted_held_bytes, cache.evicted_released_bytes, self._now)
-        if intake.held:
+        changed = intake.update(cache.evicted_held_bytes, cache.evicted_released_bytes, self._now)
+        if intake.held and (changed or timer):
             # the sessions the relay receives objects from (any upstream request
-            # delivering objects); a new feed during a hold is held too
+            # delivering objects): named when a hold starts, and looked at again at each
+            # of its polls (RelayConfig.transit_poll), so that a new feed is held too,
+            # not on every object that arrives meanwhile
             feeding = frozenset(
                 peer.session
                 for peer in self._peers.values()

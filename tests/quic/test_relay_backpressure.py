@@ -79,8 +79,7 @@ def _source() -> CacheFile:
 @attrs.define
 class Seen:
     held_at: float | None = None
-    max_pinned: int = 0
-    max_received: int = 0
+    max_evicted_held: int = 0
     taken_while_held: int | None = None
     publisher_unsent_while_held: int = 0
     released: bool = False
@@ -133,14 +132,13 @@ async def _scenario(stack: str, tls: TlsConfig, seen: Seen) -> tuple[Any, list[b
                 deadline = time.monotonic() + WAIT
                 while time.monotonic() < deadline:
                     st = relay.stats()
-                    seen.max_pinned = max(seen.max_pinned, st.evicted_held_bytes)
-                    seen.max_received = max(seen.max_received, st.upstream_bytes_received)
+                    seen.max_evicted_held = max(seen.max_evicted_held, st.evicted_held_bytes)
                     if st.intake_held and seen.held_at is None:
                         seen.held_at = time.monotonic()
                         at = st.upstream_bytes_received
                         await asyncio.sleep(0.5)  # held: the publisher is stopped
                         st = relay.stats()
-                        seen.max_pinned = max(seen.max_pinned, st.evicted_held_bytes)
+                        seen.max_evicted_held = max(seen.max_evicted_held, st.evicted_held_bytes)
                         seen.taken_while_held = st.upstream_bytes_received - at
                         seen.publisher_unsent_while_held = publisher_pump.unsent_bytes()
                         slow_path.max_unsent = normal_unsent  # the path opens again
@@ -172,7 +170,7 @@ def test_a_full_cache_holds_the_publisher_and_nobody_is_dropped(stack: str, tls:
     assert seen.taken_while_held is not None and seen.taken_while_held <= WINDOW, seen
     assert seen.publisher_unsent_while_held > 0, seen
     # what the slow consumer's queues held of evicted objects stayed under its limit
-    assert seen.max_pinned <= HOLD + WINDOW + SLACK, seen
+    assert seen.max_evicted_held <= HOLD + WINDOW + SLACK, seen
     assert seen.too_far_behind == 0, seen
     assert ok == [True, True, True, True], (ok, seen)
     assert stats.upstream_bytes_received >= LAYERS * TOKENS * 4096
@@ -188,4 +186,4 @@ def test_without_a_hold_the_slow_consumer_passes_its_queue_limit(
     # the relay decided to hold, but the transport could not: intake went on
     assert seen.held_at is not None and seen.taken_while_held is not None, seen
     assert seen.taken_while_held > WINDOW, seen
-    assert seen.max_pinned > QUEUE_LIMIT or seen.too_far_behind > 0, seen
+    assert seen.max_evicted_held > QUEUE_LIMIT or seen.too_far_behind > 0, seen
