@@ -148,6 +148,8 @@ from typing import Any
 
 import attrs
 
+from . import aioquic_streams
+
 log = logging.getLogger("kvcs.quic")
 
 PEER_BIDI_STREAMS = 1024
@@ -245,6 +247,10 @@ def _no_drain() -> None:
     """qh3's ``_drain_core`` while a connection's input is held (module docstring)."""
 
 
+def _all_walked(stream: Any) -> None:
+    """Where aioquic's streams are all walked (no :class:`~.aioquic_streams.StreamTable`)."""
+
+
 def _qh3_hold_input(conn: Any, held: bool) -> bool:
     """Hold a qh3 connection's input by leaving its native core's events undrained (module
     docstring, "Holding input"); ``False`` where qh3 is not built as expected."""
@@ -272,6 +278,8 @@ def _aioquic_hold_input(conn: Any, held: bool) -> bool:
     if not isinstance(state, list):
         return False
     state[0] = held
+    if not held and isinstance(conn._streams, aioquic_streams.StreamTable):
+        conn._streams.watch_all()  # what arrived while held may now need credit
     return True
 
 
@@ -299,6 +307,8 @@ def _aioquic_credit_windows(conn: Any) -> None:
     stream_window = int(conn._configuration.max_stream_data)
     stream_half = stream_window // 2
     held = [False]
+    streams = conn._streams
+    quiet = streams.quiet if isinstance(streams, aioquic_streams.StreamTable) else _all_walked
 
     def write_connection_limits(builder: Any, space: Any) -> None:
         if held[0]:
@@ -313,15 +323,19 @@ def _aioquic_credit_windows(conn: Any) -> None:
             max_data.used = used
 
     def write_stream_limits(builder: Any, space: Any, stream: Any) -> None:
+        if held[0]:
+            return
         local = stream.max_stream_data_local
-        if held[0] or not local:  # zero: a stream of ours that receives nothing
+        if not local:  # zero: a stream of ours that receives nothing
+            quiet(stream)
             return
         receiver = stream.receiver
         high = receiver.highest_offset
         if local - high <= stream_half:
             stream.max_stream_data_local = high + stream_window
         elif stream.max_stream_data_local_sent == local:
-            return  # nothing to raise, nothing to send
+            quiet(stream)  # nothing to raise, nothing to send (until data or a loss)
+            return
         receiver.highest_offset = 0  # read only by aioquic's doubling test, as above
         try:
             write_stream(builder, space, stream)
@@ -538,9 +552,14 @@ def keep_pacing_bursts(pacer: Any) -> None:
     pacer.update_rate = update_rate_keeping_bursts
 
 
-def _aioquic_connection(connection_cls: Callable[..., Any]) -> Callable[..., Any]:
+def _aioquic_connection(connection_cls: Any, acked: Any) -> Callable[..., Any]:
     """aioquic's ``QuicConnection`` granting :data:`PEER_BIDI_STREAMS`, its pacer keeping
-    its bursts (module docstring)."""
+    its bursts (module docstring), its packets walking only the streams with something to
+    do (:mod:`.aioquic_streams`; ``acked``: aioquic's ``QuicDeliveryState.ACKED``)."""
+    if aioquic_streams.layout_known(connection_cls):
+        connection_cls = aioquic_streams.quiet_streams_connection(connection_cls, acked)
+    else:
+        log.debug("aioquic: streams not walked as expected; every packet walks them all")
 
     def connection(*, configuration: Any, **kwargs: Any) -> Any:
         conn = connection_cls(configuration=configuration, **kwargs)
@@ -582,7 +601,8 @@ def load_stack(name: str = DEFAULT_STACK) -> QuicStack:
         receive_many = None
         datagrams = _aioquic_datagrams
         credit = _aioquic_bidi_credit
-        connection = _aioquic_connection(conn_mod.QuicConnection)
+        acked = importlib.import_module("aioquic.quic.packet_builder").QuicDeliveryState.ACKED
+        connection = _aioquic_connection(conn_mod.QuicConnection, acked)
         hold: Callable[[Any, bool], bool] = _aioquic_hold_input
     else:
         buffer_cls = importlib.import_module("qh3._hazmat").Buffer
