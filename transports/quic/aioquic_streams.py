@@ -22,7 +22,8 @@ ones aioquic would write, in the same order among the streams that have any:
   RESET_STREAM or STOP_SENDING to (re)send, or is finished (so that aioquic discards it
   and, for a stream the peer opened, lets the peer open another). When aioquic stores
   its rebuilt queue, the streams with none of these are left out (*parked*). A parked
-  stream is put back at the end of the queue (*woken*) when the application writes,
+  stream is put back (*woken*), where aioquic's own queue would have it
+  (:class:`SendQueue`), when the application writes,
   ends, resets or stops it, when any frame for it arrives (``_get_or_create_stream``,
   called for every received stream frame before it is applied), and when the fate of a
   frame of it is known (each stream's ``on_data_delivery``, ``on_reset_delivery`` and
@@ -41,11 +42,10 @@ The class is used only where aioquic's ``QuicConnection`` has the layout this re
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+import bisect
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
-
-log = logging.getLogger("kvcs.quic")
 
 _WALKED = frozenset({"_streams", "_streams_queue", "values", "_write_stream_limits"})
 """Names ``_write_application`` must use for the walks described in the module docstring."""
@@ -79,22 +79,58 @@ def _parkable(stream: Any) -> bool:
 
 
 class SendQueue(list[Any]):
-    """aioquic's ``_streams_queue``, each stream in it at most once (aioquic appends a
-    stream when it creates one, and a woken stream is appended too)."""
+    """aioquic's ``_streams_queue`` without the parked streams, in aioquic's own order, into
+    which a woken stream goes back at the place aioquic's queue would have it.
 
-    def __init__(self, streams: Iterable[Any] = ()) -> None:
+    aioquic appends a new stream at the end of its queue, moves each stream that sent in a
+    packet to the end, and leaves the others where they are. So its queue is ordered by
+    when each stream last went to the end: the *stamp* given here to every stream that is
+    appended (``stamps``, kept by the connection across its successive queues, with
+    ``clock`` counting). A stream keeps its stamp while it is parked, and a woken stream is
+    inserted by it: a subgroup stream that ran out of data and is written again goes
+    before the streams that sent meanwhile, as in aioquic."""
+
+    def __init__(self, stamps: dict[int, int], clock: Iterator[int]) -> None:
         super().__init__()
         self.ids: set[int] = set()
-        self.extend(streams)
+        self.stamps = stamps
+        self.clock = clock
+        self._order: list[int] = []
+        """The stamps of the streams queued, in queue order (ascending)."""
 
     def append(self, stream: Any) -> None:
-        if stream.stream_id not in self.ids:
-            self.ids.add(stream.stream_id)
-            super().append(stream)
+        """A new stream, or one that just sent (aioquic's ``extend``): to the end."""
+        stream_id = stream.stream_id
+        if stream_id in self.ids:
+            return
+        stamp = self.stamps[stream_id] = next(self.clock)
+        self.ids.add(stream_id)
+        self._order.append(stamp)
+        super().append(stream)
 
     def extend(self, streams: Iterable[Any]) -> None:
         for stream in streams:
             self.append(stream)
+
+    def keep(self, stream: Any) -> None:
+        """A stream of the queue aioquic rebuilt, taken in its order: its stamp stays."""
+        self.ids.add(stream.stream_id)
+        self._order.append(self.stamps[stream.stream_id])
+        super().append(stream)
+
+    def wake(self, stream: Any) -> None:
+        """Queue ``stream`` again at its place (class docstring)."""
+        stream_id = stream.stream_id
+        if stream_id in self.ids:
+            return
+        stamp = self.stamps.get(stream_id)
+        if stamp is None:
+            self.append(stream)
+            return
+        at = bisect.bisect(self._order, stamp)
+        self.ids.add(stream_id)
+        self._order.insert(at, stamp)
+        self.insert(at, stream)
 
 
 class StreamTable(dict[int, Any]):
@@ -102,11 +138,16 @@ class StreamTable(dict[int, Any]):
     set of the credit walk; every other use is the plain ``dict``."""
 
     def __init__(
-        self, wake: Callable[[Any], None], acked: Any, streams: Iterable[tuple[int, Any]] = ()
+        self,
+        wake: Callable[[Any], None],
+        acked: Any,
+        stamps: dict[int, int],
+        streams: Iterable[tuple[int, Any]] = (),
     ) -> None:
         super().__init__()
         self._wake = wake
         self._acked = acked
+        self._stamps = stamps
         self.watch: dict[int, Any] = {}
         """Streams the credit walk visits: may have credit to raise or to send again."""
         for stream_id, stream in streams:
@@ -119,6 +160,7 @@ class StreamTable(dict[int, Any]):
 
     def pop(self, stream_id: int, *default: Any) -> Any:
         self.watch.pop(stream_id, None)
+        self._stamps.pop(stream_id, None)
         return super().pop(stream_id, *default)
 
     def values(self) -> Any:  # a snapshot: the walk may take streams out of the watch
@@ -169,7 +211,7 @@ def quiet_streams_connection(connection_cls: type, acked: Any) -> type:
         """aioquic's ``QuicConnection``, walking only streams with work (module docstring)."""
 
         def _kvcs_wake(self, stream: Any) -> None:
-            self.__dict__["_kvcs_queue"].append(stream)
+            self.__dict__["_kvcs_queue"].wake(stream)
 
         @property
         def _streams(self) -> StreamTable:
@@ -178,7 +220,11 @@ def quiet_streams_connection(connection_cls: type, acked: Any) -> type:
 
         @_streams.setter
         def _streams(self, streams: dict[int, Any]) -> None:
-            self.__dict__["_kvcs_streams"] = StreamTable(self._kvcs_wake, acked, streams.items())
+            stamps: dict[int, int] = {}  # stream ID to stamp (SendQueue), for every stream
+            self.__dict__.update(_kvcs_stamps=stamps, _kvcs_clock=itertools.count())
+            self.__dict__["_kvcs_streams"] = StreamTable(
+                self._kvcs_wake, acked, stamps, streams.items()
+            )
 
         @property
         def _streams_queue(self) -> SendQueue:
@@ -187,7 +233,12 @@ def quiet_streams_connection(connection_cls: type, acked: Any) -> type:
 
         @_streams_queue.setter
         def _streams_queue(self, queue: list[Any]) -> None:
-            self.__dict__["_kvcs_queue"] = SendQueue(s for s in queue if not _parkable(s))
+            state = self.__dict__
+            kept = SendQueue(state["_kvcs_stamps"], state["_kvcs_clock"])
+            for stream in queue:  # in aioquic's order, the parked left out
+                if not _parkable(stream):
+                    kept.keep(stream)
+            state["_kvcs_queue"] = kept
 
         def _get_or_create_stream(self, frame_type: int, stream_id: int) -> Any:
             stream = super()._get_or_create_stream(frame_type, stream_id)
