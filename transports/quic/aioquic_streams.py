@@ -23,10 +23,11 @@ ones aioquic would write, in the same order among the streams that have any:
   and, for a stream the peer opened, lets the peer open another). When aioquic stores
   its rebuilt queue, the streams with none of these are left out (*parked*). A parked
   stream is put back (*woken*), where aioquic's own queue would have it
-  (:class:`SendQueue`), when the application writes,
-  ends, resets or stops it, when any frame for it arrives (``_get_or_create_stream``,
-  called for every received stream frame before it is applied), and when the fate of a
-  frame of it is known (each stream's ``on_data_delivery``, ``on_reset_delivery`` and
+  (:class:`SendQueue`), when the application writes, ends, resets or stops it
+  (``_get_or_create_stream_for_send``, which every write and reset goes through, and
+  ``stop_stream``), when any frame for it arrives (``_get_or_create_stream``, called for
+  every received stream frame before it is applied), and when the fate of a frame of it
+  is known (each stream's ``on_data_delivery``, ``on_reset_delivery`` and
   ``on_stop_sending_delivery``: a loss schedules a retransmission, an acknowledgement
   may finish the stream).
 * **The credit walk** visits a *watch* set: a stream joins it when it is created, when
@@ -51,9 +52,8 @@ _WALKED = frozenset({"_streams", "_streams_queue", "values", "_write_stream_limi
 """Names ``_write_application`` must use for the walks described in the module docstring."""
 _OVERRIDDEN = (
     "_get_or_create_stream",
+    "_get_or_create_stream_for_send",
     "_on_max_stream_data_delivery",
-    "send_stream_data",
-    "reset_stream",
     "stop_stream",
 )
 
@@ -138,16 +138,15 @@ class StreamTable(dict[int, Any]):
     set of the credit walk; every other use is the plain ``dict``."""
 
     def __init__(
-        self,
-        wake: Callable[[Any], None],
-        acked: Any,
-        stamps: dict[int, int],
-        streams: Iterable[tuple[int, Any]] = (),
+        self, wake: Callable[[Any], None], acked: Any, streams: Iterable[tuple[int, Any]] = ()
     ) -> None:
         super().__init__()
         self._wake = wake
         self._acked = acked
-        self._stamps = stamps
+        self.stamps: dict[int, int] = {}
+        """Stream ID to its :class:`SendQueue` stamp, for every stream."""
+        self.clock = itertools.count()
+        """The stamps' counter."""
         self.watch: dict[int, Any] = {}
         """Streams the credit walk visits: may have credit to raise or to send again."""
         for stream_id, stream in streams:
@@ -160,11 +159,17 @@ class StreamTable(dict[int, Any]):
 
     def pop(self, stream_id: int, *default: Any) -> Any:
         self.watch.pop(stream_id, None)
-        self._stamps.pop(stream_id, None)
+        self.stamps.pop(stream_id, None)
         return super().pop(stream_id, *default)
 
     def values(self) -> Any:  # a snapshot: the walk may take streams out of the watch
         return list(self.watch.values())
+
+    def rewatch(self, stream: Any) -> None:
+        """``stream`` may have credit to raise or to send again (a frame arrived, or its
+        MAX_STREAM_DATA was lost)."""
+        if stream.stream_id in self:
+            self.watch[stream.stream_id] = stream
 
     def quiet(self, stream: Any) -> None:
         """The credit walk found nothing to raise or send on ``stream``."""
@@ -220,11 +225,7 @@ def quiet_streams_connection(connection_cls: type, acked: Any) -> type:
 
         @_streams.setter
         def _streams(self, streams: dict[int, Any]) -> None:
-            stamps: dict[int, int] = {}  # stream ID to stamp (SendQueue), for every stream
-            self.__dict__.update(_kvcs_stamps=stamps, _kvcs_clock=itertools.count())
-            self.__dict__["_kvcs_streams"] = StreamTable(
-                self._kvcs_wake, acked, stamps, streams.items()
-            )
+            self.__dict__["_kvcs_streams"] = StreamTable(self._kvcs_wake, acked, streams.items())
 
         @property
         def _streams_queue(self) -> SendQueue:
@@ -233,40 +234,34 @@ def quiet_streams_connection(connection_cls: type, acked: Any) -> type:
 
         @_streams_queue.setter
         def _streams_queue(self, queue: list[Any]) -> None:
-            state = self.__dict__
-            kept = SendQueue(state["_kvcs_stamps"], state["_kvcs_clock"])
+            table = self._streams
+            kept = SendQueue(table.stamps, table.clock)
             for stream in queue:  # in aioquic's order, the parked left out
                 if not _parkable(stream):
                     kept.keep(stream)
-            state["_kvcs_queue"] = kept
+            self.__dict__["_kvcs_queue"] = kept
 
         def _get_or_create_stream(self, frame_type: int, stream_id: int) -> Any:
             stream = super()._get_or_create_stream(frame_type, stream_id)
-            self._streams.watch[stream_id] = stream
+            self._streams.rewatch(stream)
+            self._kvcs_wake(stream)
+            return stream
+
+        def _get_or_create_stream_for_send(self, stream_id: int) -> Any:
+            # every write, end and reset of the application's takes its stream here first;
+            # waking it before the write is the same, the queue is walked only by a packet
+            stream = super()._get_or_create_stream_for_send(stream_id)
             self._kvcs_wake(stream)
             return stream
 
         def _on_max_stream_data_delivery(self, delivery: Any, stream: Any) -> None:
             super()._on_max_stream_data_delivery(delivery, stream)
-            if delivery != acked and stream.stream_id in self._streams:
-                self._streams.watch[stream.stream_id] = stream
-
-        def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
-            super().send_stream_data(stream_id, data, end_stream)
-            self._wake_id(stream_id)
-
-        def reset_stream(self, stream_id: int, error_code: int) -> None:
-            super().reset_stream(stream_id, error_code)
-            self._wake_id(stream_id)
+            if delivery != acked:
+                self._streams.rewatch(stream)
 
         def stop_stream(self, stream_id: int, error_code: int) -> None:
             super().stop_stream(stream_id, error_code)
-            self._wake_id(stream_id)
-
-        def _wake_id(self, stream_id: int) -> None:
-            stream = self._streams.get(stream_id)
-            if stream is not None:
-                self._kvcs_wake(stream)
+            self._kvcs_wake(self._streams[stream_id])  # aioquic raised if it had none
 
     QuietStreamsConnection.__name__ = QuietStreamsConnection.__qualname__ = (
         f"QuietStreams{connection_cls.__name__}"
