@@ -152,3 +152,42 @@ def test_a_group_evicted_as_it_grows_counts_once_against_the_queue_limit() -> No
     rn.run_until(lambda: slow.done(rid) is not None, max_time=60)
     assert slow.done(rid).status == PublishDoneCode.TRACK_ENDED
     assert len(slow.normal(rid)) == 60
+
+
+def test_what_a_stalled_subscriber_holds_beyond_a_full_cache_is_what_the_gate_sees() -> None:
+    """Once pinned objects fill the budget, every new object is evicted the step it arrives
+    and forwarded without being kept: a stalled subscriber's queue grows there, not in the
+    evicted count (which stops at about the budget). The gate sees both together, so it
+    holds for as long as the subscriber's queue beyond the cache is above the resume mark,
+    and opens only once it has drained below it."""
+    rn, relay, slow, rid, _held, down = _slow_subscriber(bandwidth=20_000, stall=1000, groups=40)
+    link = rn.net.link_of(rn.machine(slow.session))
+    budget = relay.config.cache_budget_bytes
+    resume = relay.config.intake_hold_bytes // 2
+    link.set_bandwidth(1000)  # it all but stopped reading: what it was sent stays queued
+    rn.settle(1.0)
+    st = relay.stats()
+    queued = down.publisher.queued_bytes
+    assert queued > 4 * budget, (queued, budget)  # most of it beyond the cache
+    assert st.evicted_held_bytes < budget  # the evicted part alone stops at the budget
+    assert st.held_outside_bytes >= queued - budget, (st, queued)
+    assert st.intake_held
+
+    openings: list[int] = []  # the subscriber's queue beyond the cache when intake opened
+    was_held = [True]
+
+    def look(_m: Any, _e: Any) -> None:
+        held_now = relay.stats().intake_held
+        if was_held[0] and not held_now:
+            openings.append(down.publisher.queued_bytes - budget)
+        was_held[0] = held_now
+
+    rn.net.on_event(look)
+    link.set_bandwidth(20_000)  # it reads again, slowly
+    rn.run_until(lambda: slow.done(rid) is not None, max_time=120)
+    assert slow.done(rid).status == PublishDoneCode.TRACK_ENDED
+    assert openings, "intake never opened again"
+    assert max(openings) <= resume, (openings, resume)
+    rn.settle(0.1)
+    st = relay.stats()
+    assert st.held_outside_bytes == 0 and st.transit_bytes == 0, st

@@ -353,8 +353,9 @@ class Cache:
         payload buffers are in :attr:`buffer_bytes`, not :attr:`pinned_bytes`): what the
         relay's intake gate looks at (:mod:`kvcs_core.relay.intake`)."""
         self.evicted_released_bytes = 0
-        """Bytes released from :attr:`evicted_held_bytes` so far (monotonic: the intake
-        gate sees sessions drain by it)."""
+        """Bytes released from :attr:`evicted_held_bytes` so far (monotonic)."""
+        self.transit_released_bytes = 0
+        """Bytes released from :attr:`transit_bytes` so far (monotonic)."""
         self._pins: dict[int, weakref.ref[StoredObject]] = {}
         self._buffers: dict[int, list[int]] = {}
         """Payload buffers held: key -> [objects holding it, its bytes] (each counted once)."""
@@ -392,6 +393,21 @@ class Cache:
     @property
     def over_budget(self) -> bool:
         return self.total_bytes > self.budget
+
+    @property
+    def held_outside_bytes(self) -> int:
+        """Bytes sessions hold of objects the cache no longer keeps: evicted objects still
+        held (:attr:`evicted_held_bytes`) and objects forwarded but never kept
+        (:attr:`transit_bytes`), payloads included. Once pinned objects fill the budget,
+        every new object is evicted in the step it arrives, so a stalled subscriber's
+        queue grows in transit alone: both together are what its queue limit sees."""
+        return self.evicted_held_bytes + self.transit_bytes
+
+    @property
+    def released_outside_bytes(self) -> int:
+        """Bytes released from :attr:`held_outside_bytes` so far (monotonic: the intake
+        gate sees sessions drain by it while new objects are evicted)."""
+        return self.evicted_released_bytes + self.transit_released_bytes
 
     # --- commands ------------------------------------------------------------------
 
@@ -624,6 +640,7 @@ class Cache:
         def release(_ref: object, key: int = key, cost: int = cost) -> None:
             if transit.pop(key, None) is not None:
                 self.transit_bytes -= cost
+                self.transit_released_bytes += cost
 
         transit[key] = weakref.ref(obj, release)
         self.transit_bytes += cost

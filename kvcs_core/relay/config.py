@@ -142,7 +142,8 @@ class RelayConfig:
     ``max_queued_bytes_per_subscription`` (past it: PUBLISH_DONE TOO_FAR_BEHIND)."""
 
     intake_hold_bytes: int = attrs.field(default=8 << 20, validator=_positive)
-    """Bytes of evicted objects that downstream sessions still hold (:mod:`.cache`) at which
+    """Bytes that downstream sessions hold of objects the cache no longer keeps (evicted, or
+    forwarded and never kept: ``Cache.held_outside_bytes``, :mod:`.cache`) at which
     the relay holds its intake from the sessions that feed it, so that flow control
     reaches the publishers (:mod:`kvcs_core.relay.intake`); at most half the cache
     budget is used. Intake opens again when they fall to half of it. Default 8 MiB: with a
@@ -240,7 +241,11 @@ class RelayStats:
     pairs sorted by name."""
     evicted_held_bytes: int = 0
     """Bytes of evicted objects (payloads included) that downstream sessions still hold,
-    part of ``cache_bytes``: what the intake gate looks at (:mod:`kvcs_core.relay.intake`)."""
+    part of ``cache_bytes``."""
+    held_outside_bytes: int = 0
+    """``evicted_held_bytes`` plus ``transit_bytes``: everything downstream sessions hold
+    that the cache no longer keeps, what the intake gate looks at
+    (:mod:`kvcs_core.relay.intake`)."""
     intake_held: bool = False
     """The relay holds its intake from publishers now (the cache is full)."""
     intake_holds: int = 0

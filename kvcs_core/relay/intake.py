@@ -7,17 +7,21 @@ Upstream intake and downstream delivery are decoupled through the cache
 own pace from references into the cache, and costs nothing beyond it. The
 cache is *full* when that stops being true: it had to evict groups that
 downstream sessions still hold (queued live objects, fill and FETCH
-snapshots). Those objects stay in memory until sent
-(:attr:`~kvcs_core.relay.cache.Cache.evicted_held_bytes`, payloads included), and
-each evicted byte a subscriber still queues counts against its session's
+snapshots). Those objects stay in memory until sent, and so do the objects
+that arrive once pinned objects fill the budget: each is evicted in the step
+it arrives and forwarded without being kept. Both together are
+:attr:`~kvcs_core.relay.cache.Cache.held_outside_bytes` (payloads included),
+and each such byte a subscriber still queues counts against its session's
 ``max_queued_bytes_per_subscription`` (d21 section 5.2: past it, PUBLISH_DONE
 TOO_FAR_BEHIND). So those *held* bytes are the measure: while they stay low, the
 relay takes everything upstream sends; once they reach the *hold mark*, taking
-more would only evict more of what a subscriber is about to read.
+more would only evict more of what a subscriber is about to read. (The evicted
+part alone stops growing at about the budget, which the pinned objects fill,
+while a stalled subscriber's queue goes on growing in the never-kept part.)
 
 :class:`IntakeGate` is the decision, free of I/O. It is fed, after every
 input and every poll, the held bytes and the total bytes ever released
-(:attr:`~kvcs_core.relay.cache.Cache.evicted_released_bytes`, a monotonic
+(:attr:`~kvcs_core.relay.cache.Cache.released_outside_bytes`, a monotonic
 count, so that progress is seen even while new objects are evicted):
 
 * **open** -> **held** when the held bytes reach the hold mark
@@ -68,7 +72,8 @@ class IntakeGate:
     """Decides when the relay holds its upstream intake (module docstring).
 
     Args:
-        hold_bytes: held bytes of evicted objects at which intake is held (> 0).
+        hold_bytes: held bytes of objects the cache no longer keeps at which intake is held
+            (> 0).
         stall: seconds without anything released after which a hold is given up (> 0).
         poll: seconds between looks while held (> 0).
     """
@@ -98,9 +103,9 @@ class IntakeGate:
         return self.state is IntakeState.HELD
 
     def update(self, held: int, released_total: int, now: float) -> bool:
-        """Look at the cache after an input or a poll (``held``: bytes of evicted objects
-        sessions still hold; ``released_total``: such bytes released so far); ``True``
-        when the state changed."""
+        """Look at the cache after an input or a poll (``held``: bytes sessions hold of
+        objects the cache no longer keeps; ``released_total``: such bytes released so
+        far); ``True`` when the state changed."""
         state = self.state
         progressed = released_total > self._released_seen
         self._released_seen = released_total

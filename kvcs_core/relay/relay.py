@@ -319,7 +319,9 @@ class Relay(Offers):
                 if track is not None:
                     self._forget_idle(track)
         intake = self._intake
-        changed = intake.update(cache.evicted_held_bytes, cache.evicted_released_bytes, self._now)
+        changed = intake.update(
+            cache.held_outside_bytes, cache.released_outside_bytes, self._now
+        )
         if intake.held and (changed or timer):
             # the sessions the relay receives objects from (any upstream request
             # delivering objects): named when a hold starts, and looked at again at each
@@ -443,6 +445,7 @@ class Relay(Offers):
             upstream_sessions=sum(1 for peer in self._peers.values() if peer.upstream),
             refused=tuple(sorted(self.refused.items())),
             evicted_held_bytes=cache.evicted_held_bytes,
+            held_outside_bytes=cache.held_outside_bytes,
             intake_held=self._intake.held,
             intake_holds=self._intake.holds,
             intake_given_up=self._intake.given_up,

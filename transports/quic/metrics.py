@@ -82,7 +82,10 @@ class RelayCounters:
     upstream_connected: bool
     upstream_reconnects: int
     evicted_held_bytes: int = 0
-    """Bytes of evicted objects that sessions still hold (what the intake gate looks at)."""
+    """Bytes of evicted objects that sessions still hold."""
+    held_outside_bytes: int = 0
+    """Bytes sessions hold of objects the cache no longer keeps (evicted, or forwarded and
+    never kept): what the intake gate looks at."""
     intake_held: bool = False
     """The relay holds its intake from publishers now (its cache is full)."""
     intake_holds: int = 0
@@ -127,6 +130,7 @@ def relay_counters(server: Any) -> RelayCounters:
         upstream_connected=bool(up is not None and up.connected),
         upstream_reconnects=0 if link is None else int(link.reconnects),
         evicted_held_bytes=st.evicted_held_bytes,
+        held_outside_bytes=st.held_outside_bytes,
         intake_held=st.intake_held,
         intake_holds=st.intake_holds,
         intake_given_up=st.intake_given_up,
@@ -171,6 +175,8 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("evicted_bytes_total", "counter", "evicted_bytes", "accounted bytes evicted from the cache"),
     ("evicted_held_bytes", "gauge", "evicted_held_bytes",
      "bytes of evicted objects that sessions still hold"),
+    ("held_outside_bytes", "gauge", "held_outside_bytes",
+     "bytes sessions hold of objects the cache no longer keeps (evicted or never kept)"),
     ("intake_held", "gauge", "intake_held",
      "1 while the relay holds its intake from publishers (the cache is full), else 0"),
     ("intake_holds_total", "counter", "intake_holds", "holds of the intake from publishers"),
