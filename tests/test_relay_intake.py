@@ -191,3 +191,44 @@ def test_what_a_stalled_subscriber_holds_beyond_a_full_cache_is_what_the_gate_se
     rn.settle(0.1)
     st = relay.stats()
     assert st.held_outside_bytes == 0 and st.transit_bytes == 0, st
+
+
+def test_a_hold_names_the_feeding_session_for_as_long_as_it_lasts() -> None:
+    """While the gate holds, every input (the objects a transport still delivers within
+    the credit it had granted, as aioquic does) leaves the publisher's session named in
+    ``Relay.intake_held``, which it feeds for the whole hold: a hold is released only
+    when the gate opens."""
+    rn = RelayNet()
+    relay = rn.add_relay(
+        RelayConfig(
+            cache_budget_bytes=2 * 8 * (SIZE + 1024) + 8192,
+            intake_hold_bytes=4 * SIZE,
+            intake_stall=30.0,
+        )
+    )
+    pub = rn.add_publisher(relay)
+    store = pub.serve(TrackStore(track("t")))
+    slow = rn.add_subscriber(
+        relay,
+        relay_side=SessionConfig(role=Role.SERVER, max_queued_bytes_per_subscription=1 << 20),
+        bandwidth=20_000,
+    )
+    rid = slow.subscribe_all(store.name)
+    rn.settle(0.05)
+    upstream = relay.sessions[0]
+    steps: list[tuple[bool, bool]] = []  # (the gate holds, the publisher is named held)
+    rn.net.on_event(
+        lambda _m, _e: steps.append((relay.stats().intake_held, upstream in relay.intake_held))
+    )
+    for g in range(8):
+        produce(store, g, 8, size=SIZE)
+    # the track stays open (its subscription feeds the relay) until the hold ended
+    rn.run_until(lambda: relay.stats().intake_holds >= 1 and not relay.stats().intake_held)
+    during = [named for held, named in steps if held]
+    assert len(during) > 10, steps  # the objects kept coming while held
+    assert all(during), f"released while held in {during.count(False)} of {len(during)} steps"
+    assert not any(named for held, named in steps if not held)
+    pub.end_track(store, rn.now)
+    rn.run_until(lambda: slow.done(rid) is not None, max_time=60)
+    assert slow.done(rid).status == PublishDoneCode.TRACK_ENDED
+    assert len(slow.normal(rid)) == 64

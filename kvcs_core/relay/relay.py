@@ -322,20 +322,23 @@ class Relay(Offers):
         changed = intake.update(
             cache.held_outside_bytes, cache.released_outside_bytes, self._now
         )
-        if intake.held and (changed or timer):
-            # the sessions the relay receives objects from (any upstream request
-            # delivering objects): named when a hold starts, and looked at again at each
-            # of its polls (RelayConfig.transit_poll), so that a new feed is held too,
-            # not on every object that arrives meanwhile
-            feeding = frozenset(
-                peer.session
-                for peer in self._peers.values()
-                if peer.feeds and not peer.session.is_closed
-            )
-            if feeding != self._intake_held:
-                self._intake_held = feeding  # a new object only when it changed
+        if intake.held:
+            if changed or timer:
+                # the sessions the relay receives objects from (any upstream request
+                # delivering objects): named when a hold starts, and looked at again at
+                # each of its polls (RelayConfig.transit_poll), so that a new feed is held
+                # too, not on every object that arrives meanwhile (a transport that holds
+                # by credit still delivers what it had granted: those inputs leave the
+                # hold as it is)
+                feeding = frozenset(
+                    peer.session
+                    for peer in self._peers.values()
+                    if peer.feeds and not peer.session.is_closed
+                )
+                if feeding != self._intake_held:
+                    self._intake_held = feeding  # a new object only when it changed
         elif self._intake_held:
-            self._intake_held = frozenset()
+            self._intake_held = frozenset()  # the gate opened (or gave up)
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` should next be called, or ``None``."""
