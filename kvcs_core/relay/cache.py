@@ -350,8 +350,9 @@ class Cache:
         """Accounted bytes of evicted objects that sessions still hold (module docstring)."""
         self.evicted_held_bytes = 0
         """Bytes of evicted objects that sessions still hold, payloads included (the
-        payload buffers are in :attr:`buffer_bytes`, not :attr:`pinned_bytes`): what the
-        relay's intake gate looks at (:mod:`kvcs_core.relay.intake`)."""
+        payload buffers are in :attr:`buffer_bytes`, not :attr:`pinned_bytes`); with
+        :attr:`transit_bytes`, what the relay's intake gate looks at
+        (:attr:`held_outside_bytes`, :mod:`kvcs_core.relay.intake`)."""
         self.evicted_released_bytes = 0
         """Bytes released from :attr:`evicted_held_bytes` so far (monotonic)."""
         self.transit_released_bytes = 0
