@@ -62,6 +62,7 @@ class AsyncioDriver(AsyncioDriving):
         self.endpoint = endpoint
         self.udp = udp
         self._loop = asyncio.get_running_loop()
+        endpoint.clock = self.now  # read during service (endpoint docstring)
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None

@@ -48,6 +48,18 @@ so both drivers (and any other loop) share it.
   on (its stack, or what its events caused) ends that connection alone,
   logged (:meth:`~.pump.SessionPump.fail`); the endpoint and the other
   connections go on, and no exception reaches the event-loop driver.
+* **Delivery's share of a turn.** A relay busy taking in a publisher reads a
+  batch of datagrams per turn (up to :data:`.udp.RECV_BATCH`), while a paced
+  stack sends one burst per connection per call (aioquic: at most 16 packets,
+  RFC 9002 section 7.7), so a live subscriber got about one datagram for every
+  sixteen taken in, and its first layer came late. So after the usual rounds,
+  :meth:`QuicEndpoint.service` asks the connections that still have stream data
+  waiting again, with the driver's :attr:`QuicEndpoint.clock` read afresh (the
+  pacer refills with time, and building a burst takes time), for as long as they
+  produce datagrams, until it has sent as many as were received since the last
+  call (at most :data:`MAX_FAIR_ROUNDS` rounds). The pacer still decides each
+  burst; nothing is sent that the stack would not send. Without a clock, or with
+  nothing received, nothing changes.
 * **Links** (:class:`~.reconnect.Link`): client connections that are opened
   again, with backoff, when they end; the endpoint gives them its timer and
   shows them their connection's events first.
@@ -80,6 +92,9 @@ MAX_SERVICE_ROUNDS = 64
 
 MAX_SEND_ROUNDS = 8
 """Pull-and-send rounds per :meth:`QuicEndpoint.service` while QUIC keeps taking data."""
+
+MAX_FAIR_ROUNDS = 64
+"""Rounds of delivery's share per :meth:`QuicEndpoint.service` (module docstring)."""
 
 DEFAULT_MAX_CONNECTIONS = 256
 """Connections an endpoint holds at once."""
@@ -204,6 +219,12 @@ class QuicEndpoint:
         self._retry_tokens: Any = None
         self._now = 0.0
         """The latest time an input carried (for work that is given none)."""
+        self.clock: Callable[[], float] | None = None
+        """The driver's clock (the same as the ``now`` it passes), read during
+        :meth:`service` for delivery's share of a turn (module docstring); ``None``: not
+        read."""
+        self._received = 0
+        """Datagrams received for a connection since the last :meth:`service`."""
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -240,6 +261,7 @@ class QuicEndpoint:
         """Route one UDP datagram; garbage and strays are dropped."""
         pump = self._route(data, addr, now)
         if pump is not None:
+            self._received += 1
             self._guard(pump, "receive", now, pump.receive_datagram, data, addr, now)
             self._update_cids(pump)
 
@@ -255,6 +277,7 @@ class QuicEndpoint:
             pump = self._route(data, addr, now)
             if pump is None:
                 continue
+            self._received += 1
             if pump is not run_pump or addr != run_addr:
                 if run_pump is not None and run_pump.feed_datagrams(run, run_addr, now):
                     fed.append(run_pump)
@@ -322,10 +345,36 @@ class QuicEndpoint:
                     out.extend(self._guard(pump, "send", now, pump.datagrams_to_send, now) or ())
             if not more:
                 break
+        self._delivery_share(out)
         self._reap()
         for link in list(self.links):
             link.service(now)
         return out
+
+    def _delivery_share(self, out: list[tuple[bytes, Any]]) -> None:
+        """Ask the connections with stream data waiting again, at the clock's time, while
+        they produce datagrams and until ``out`` holds as many as were received since the
+        last call (module docstring, "Delivery's share of a turn")."""
+        budget, self._received = self._received, 0
+        clock = self.clock
+        if clock is None:
+            return
+        sent = len(out)
+        for _ in range(MAX_FAIR_ROUNDS):
+            if sent >= budget:
+                return
+            now = clock()
+            more = 0
+            for pump in list(self.pumps):
+                if not pump.sending:
+                    continue
+                self._guard(pump, "flush", now, pump.flush, now)
+                got = self._guard(pump, "send", now, pump.datagrams_to_send, now) or ()
+                out.extend(got)
+                more += len(got)
+            if not more:
+                return
+            sent += more
 
     def _dispatch(self, pump: SessionPump, now: float) -> bool:
         dispatched = False

@@ -352,6 +352,11 @@ class SessionPump:
             return []
         return out
 
+    @property
+    def sending(self) -> bool:
+        """Stream data handed to QUIC may still wait for its first transmission."""
+        return bool(self._unsent_streams) and not self.terminated
+
     def unsent_bytes(self) -> int:
         """Object and control bytes handed to QUIC that it has not sent once yet."""
         total = 0

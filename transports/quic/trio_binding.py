@@ -66,6 +66,7 @@ class TrioDriver:
     def __init__(self, endpoint: QuicEndpoint, udp: UdpSocket) -> None:
         self.endpoint = endpoint
         self.udp = udp
+        endpoint.clock = self.now  # read during service (endpoint docstring)
         self._wakeup = trio.Event()
         self._changed = trio.Event()
         self._closed = False
