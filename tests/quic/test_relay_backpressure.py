@@ -136,6 +136,86 @@ async def _taken_while_held(
     return None
 
 
+@attrs.define
+class Stall:
+    """One scenario's pieces for :func:`_stall_and_watch`."""
+
+    relay: Any
+    """The relay whose cache is small (its stats are watched)."""
+    driver: Any
+    pub: Any
+    fast: Any
+    slow: Any
+    slow_path: SessionPump
+    """The relay's side of the slow consumer's connection."""
+    source: CacheFile
+    dests: list[KvDestination]
+
+
+async def _stall_and_watch(
+    stall: Stall,
+    seen: Seen,
+    *,
+    unbroken: bool,
+    probe: Callable[[], None] | None = None,
+    after_hold: Callable[[], None] | None = None,
+) -> tuple[Any, list[bool]]:
+    """Both consumers retrieve; once they subscribed, the relay cannot send the slow one
+    object data until it has held its intake for one span (``probe`` at every look of it,
+    ``after_hold`` after it); everything is published meanwhile. Returns the relay's
+    stats and ``[fast complete, slow complete, fast identical, slow identical]``."""
+    relay, slow_path, source = stall.relay, stall.slow_path, stall.source
+
+    def count_too_far_behind(_pump: SessionPump, event: Any, _now: float) -> None:
+        if type(event) is ev.PublishDoneReceived and event.status == PublishDoneCode.TOO_FAR_BEHIND:
+            seen.too_far_behind += 1
+
+    app: ClientApp = stall.slow.app
+    app.watchers.append(count_too_far_behind)
+    normal_unsent = slow_path.max_unsent
+    retrievals = [
+        _start_retrieval(c, source, d)
+        for c, d in ((stall.fast, stall.dests[0]), (stall.slow, stall.dests[1]))
+    ]
+    # both consumers found the publication and subscribed to its tracks
+    await stall.driver.wait_for(
+        lambda: all(any(isinstance(e, ManifestAccepted) for e in r.events) for r in retrievals),
+        WAIT,
+    )
+    await asyncio.sleep(0.3)  # their data SUBSCRIBEs reach the relay(s)
+    slow_path.max_unsent = 0  # the relay cannot send it object data for now
+
+    async def watch() -> None:
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            st = relay.stats()
+            seen.max_held_outside = max(seen.max_held_outside, st.held_outside_bytes)
+            if st.intake_held and seen.held_at is None:
+                seen.held_at = time.monotonic()
+                seen.taken_while_held = await _taken_while_held(
+                    relay, seen, unbroken=unbroken, probe=probe
+                )
+                if after_hold is not None:
+                    after_hold()
+                slow_path.max_unsent = normal_unsent  # the path opens again
+                st = relay.stats()
+            if seen.held_at is not None and not st.intake_held:
+                seen.released = True
+                return
+            await asyncio.sleep(0.002)
+        slow_path.max_unsent = normal_unsent
+
+    results = await asyncio.gather(
+        _put_layers(stall.pub, source),
+        watch(),
+        *(r.result(timeout=WAIT * 2, strict=False) for r in retrievals),
+    )
+    stats = relay.stats()
+    done = [bool(r.complete) for r in results[2:]]
+    same = [_identical(source, d, TOKENS) for d in stall.dests]
+    return stats, [*done, *same]
+
+
 async def _scenario(
     stack: str, tls: TlsConfig, seen: Seen, *, holds: bool = True
 ) -> tuple[Any, list[bool]]:
@@ -143,10 +223,6 @@ async def _scenario(
     source = _source()
     dests = [KvDestination(source.cd, TOKENS) for _ in range(2)]
     config = RelayConfig(cache_budget_bytes=BUDGET, intake_stall=30.0)
-
-    def count_too_far_behind(_pump: SessionPump, event: Any, _now: float) -> None:
-        if type(event) is ev.PublishDoneReceived and event.status == PublishDoneCode.TOO_FAR_BEHIND:
-            seen.too_far_behind += 1
 
     def connect() -> Any:
         return b.connect(server.url, tls=_trusting(tls), stack=stack, timeout=WAIT)
@@ -158,54 +234,17 @@ async def _scenario(
         endpoint.session_config = lambda role: SessionConfig(
             role=role, max_queued_bytes_per_subscription=QUEUE_LIMIT
         )
-        relay = server.relay
         async with connect() as producer, connect() as fast, connect() as slow:
             assert len(endpoint.pumps) == 3
             slow_path: SessionPump = endpoint.pumps[2]  # the relay's side, accepted third
             publisher_pump: SessionPump = producer.pump
-            app: ClientApp = slow.app
-            app.watchers.append(count_too_far_behind)
-            normal_unsent = slow_path.max_unsent
             pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
-            retrievals = [
-                _start_retrieval(c, source, d) for c, d in ((fast, dests[0]), (slow, dests[1]))
-            ]
-            # both consumers found the publication and subscribed to its tracks
-            await server.driver.wait_for(
-                lambda: all(
-                    any(isinstance(e, ManifestAccepted) for e in r.events) for r in retrievals
-                ),
-                WAIT,
-            )
-            await asyncio.sleep(0.3)  # their data SUBSCRIBEs reach the relay
-            slow_path.max_unsent = 0  # the relay cannot send it object data for now
 
-            async def watch() -> None:
-                deadline = time.monotonic() + WAIT
-                while time.monotonic() < deadline:
-                    st = relay.stats()
-                    seen.max_held_outside = max(seen.max_held_outside, st.held_outside_bytes)
-                    if st.intake_held and seen.held_at is None:
-                        seen.held_at = time.monotonic()
-                        seen.taken_while_held = await _taken_while_held(relay, seen, unbroken=holds)
-                        seen.publisher_unsent_while_held = publisher_pump.unsent_bytes()
-                        slow_path.max_unsent = normal_unsent  # the path opens again
-                        st = relay.stats()
-                    if seen.held_at is not None and not st.intake_held:
-                        seen.released = True
-                        return
-                    await asyncio.sleep(0.002)
-                slow_path.max_unsent = normal_unsent
+            def look_at_publisher() -> None:
+                seen.publisher_unsent_while_held = publisher_pump.unsent_bytes()
 
-            results = await asyncio.gather(
-                _put_layers(pub, source),
-                watch(),
-                *(r.result(timeout=WAIT * 2, strict=False) for r in retrievals),
-            )
-            stats = relay.stats()
-    done = [bool(r.complete) for r in results[2:]]
-    same = [_identical(source, d, TOKENS) for d in dests]
-    return stats, [*done, *same]
+            stall = Stall(server.relay, server.driver, pub, fast, slow, slow_path, source, dests)
+            return await _stall_and_watch(stall, seen, unbroken=holds, after_hold=look_at_publisher)
 
 
 QH3_FAULT = "reserved stream is missing"
@@ -258,10 +297,6 @@ async def _tree_scenario(stack: str, tls: TlsConfig, seen: Seen) -> tuple[Any, l
     source = _source()
     dests = [KvDestination(source.cd, TOKENS) for _ in range(2)]
 
-    def count_too_far_behind(_pump: SessionPump, event: Any, _now: float) -> None:
-        if type(event) is ev.PublishDoneReceived and event.status == PublishDoneCode.TOO_FAR_BEHIND:
-            seen.too_far_behind += 1
-
     def connect(url: str) -> Any:
         return b.connect(url, tls=_trusting(tls), stack=stack, timeout=WAIT)
 
@@ -281,7 +316,6 @@ async def _tree_scenario(stack: str, tls: TlsConfig, seen: Seen) -> tuple[Any, l
         endpoint.session_config = lambda role: SessionConfig(
             role=role, max_queued_bytes_per_subscription=QUEUE_LIMIT
         )
-        relay = leaf.relay
         async with (
             connect(root.url) as producer,
             connect(leaf.url) as fast,
@@ -291,61 +325,19 @@ async def _tree_scenario(stack: str, tls: TlsConfig, seen: Seen) -> tuple[Any, l
             assert len(accepted) == 2
             slow_path: SessionPump = accepted[1]  # the leaf's side, accepted second
             root_pumps = list(root.driver.endpoint.pumps)
-            app: ClientApp = slow.app
-            app.watchers.append(count_too_far_behind)
-            normal_unsent = slow_path.max_unsent
             pub = await producer.publish_cache(source.descriptor, SCOPE_KEY, source.tokens)
-            retrievals = [
-                _start_retrieval(c, source, d) for c, d in ((fast, dests[0]), (slow, dests[1]))
-            ]
-            await leaf.driver.wait_for(
-                lambda: all(
-                    any(isinstance(e, ManifestAccepted) for e in r.events) for r in retrievals
-                ),
-                WAIT,
-            )
-            await asyncio.sleep(0.3)  # their data SUBSCRIBEs reach the relays
-            slow_path.max_unsent = 0  # the leaf cannot send it object data for now
 
-            async def watch() -> None:
-                deadline = time.monotonic() + WAIT
-                while time.monotonic() < deadline:
-                    st = relay.stats()
-                    seen.max_held_outside = max(seen.max_held_outside, st.held_outside_bytes)
-                    if st.intake_held and seen.held_at is None:
-                        seen.held_at = time.monotonic()
+            def look_at_root() -> None:
+                # data for the leaf that flow control keeps back at the root, or nothing
+                # left there to hold back (it sent all it had)
+                unsent = sum(p.unsent_bytes() for p in root_pumps)
+                seen.publisher_unsent_while_held = max(seen.publisher_unsent_while_held, unsent)
+                rs = root.relay.stats()
+                if rs.bytes_sent >= rs.upstream_bytes_received:
+                    seen.nothing_to_hold_back = True
 
-                        def look_at_root() -> None:
-                            # data for the leaf that flow control keeps back at the root, or
-                            # nothing left there to hold back (it sent all it had)
-                            unsent = sum(p.unsent_bytes() for p in root_pumps)
-                            seen.publisher_unsent_while_held = max(
-                                seen.publisher_unsent_while_held, unsent
-                            )
-                            rs = root.relay.stats()
-                            if rs.bytes_sent >= rs.upstream_bytes_received:
-                                seen.nothing_to_hold_back = True
-
-                        seen.taken_while_held = await _taken_while_held(
-                            relay, seen, unbroken=True, probe=look_at_root
-                        )
-                        slow_path.max_unsent = normal_unsent  # the path opens again
-                        st = relay.stats()
-                    if seen.held_at is not None and not st.intake_held:
-                        seen.released = True
-                        return
-                    await asyncio.sleep(0.002)
-                slow_path.max_unsent = normal_unsent
-
-            results = await asyncio.gather(
-                _put_layers(pub, source),
-                watch(),
-                *(r.result(timeout=WAIT * 2, strict=False) for r in retrievals),
-            )
-            stats = relay.stats()
-    done = [bool(r.complete) for r in results[2:]]
-    same = [_identical(source, d, TOKENS) for d in dests]
-    return stats, [*done, *same]
+            stall = Stall(leaf.relay, leaf.driver, pub, fast, slow, slow_path, source, dests)
+            return await _stall_and_watch(stall, seen, unbroken=True, probe=look_at_root)
 
 
 @pytest.mark.parametrize("stack", STACKS)
