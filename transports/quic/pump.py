@@ -147,6 +147,11 @@ def keepalive_interval(idle_timeout: float, peer_idle_timeout: float | None = No
     return max(0.05, min(idle / 3.0, MAX_KEEPALIVE_INTERVAL))
 
 
+class _NoEvent:
+    """Of no event: what :meth:`SessionPump._take_quic_events` takes into runs over
+    WebTransport, where each event goes on alone."""
+
+
 def _addr(addr: Any) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
@@ -438,15 +443,20 @@ class SessionPump:
         # stream data of a run of StreamDataReceived events, per stream (module docstring)
         runs: dict[int, list[bytes]] = {}
         fins: set[int] = set()
-        while (qe := self.quic.next_event()) is not None:
-            if self.wt is None and isinstance(qe, ev.StreamDataReceived):
-                run = runs.get(qe.stream_id)
+        next_event = self.quic.next_event
+        # the class taken into runs: none over WebTransport (looked at again after every
+        # other event, as a handshake may start WebTransport)
+        data_event: type[Any] = ev.StreamDataReceived if self.wt is None else _NoEvent
+        while (qe := next_event()) is not None:
+            if isinstance(qe, data_event):
+                sid = qe.stream_id
+                run = runs.get(sid)
                 if run is None:
-                    runs[qe.stream_id] = [qe.data]
+                    runs[sid] = [qe.data]
                 else:
                     run.append(qe.data)
                 if qe.end_stream:
-                    fins.add(qe.stream_id)
+                    fins.add(sid)
                 continue
             if runs:
                 self._feed_runs(runs, fins, now)
@@ -482,6 +492,7 @@ class SessionPump:
                 self.cid_changes.append((True, qe.connection_id))
             elif isinstance(qe, ev.ConnectionIdRetired):
                 self.cid_changes.append((False, qe.connection_id))
+            data_event = ev.StreamDataReceived if self.wt is None else _NoEvent
         if runs:
             self._feed_runs(runs, fins, now)
 
