@@ -20,6 +20,7 @@ from pycose.algorithms import Es256
 from pycose.keys.curves import P256
 from pycose.keys.ec2 import EC2Key
 
+from kvcs_core.kvcs import manifest as manifest_mod
 from kvcs_core.kvcs.cose import (
     CoseKeyError,
     CoseRejectReason,
@@ -203,6 +204,28 @@ def test_lookups() -> None:
     assert m.segments[0].matches_block_keys(bytes.fromhex(VEC["block_keys_sha256"]))
     assert not m.segments[1].matches_block_keys(bytes(32))
     assert m.total_blocks == 3 and not m.complete
+
+
+def test_lookups_asked_again_are_answered_the_same() -> None:
+    """Track lookups are remembered per manifest (a consumer asks once per Object): a
+    second round of the same questions gets the same answers, equal manifests stay equal,
+    and what is remembered is bounded."""
+    m = small()
+    questions = [
+        ("k.raw.s0", 1, 0), (b"v.raw.s0", 0, 1), ("kv.q8.s1", 0, 0), ("kv.q8.s1", 1, 0),
+        ("k.q8.s0", 0, 0), ("k.raw.s7", 0, 0), ("manifest", 0, 0), ("K.raw.s0", 0, 0),
+        (b"\xff", 0, 0),
+    ]  # fmt: skip
+    first = [m.digest_of(*q) for q in questions]
+    assert first[0] == bytes.fromhex(hx("k10")) and first[3] is None
+    assert [m.digest_of(*q) for q in questions] == first
+    assert m.segment_of_track("kv.q8.s1") is m.segments[1]
+    assert m.segment_of_track("k.raw.s7") is None
+    assert m == small() and m.encode() == small().encode()
+    for i in range(manifest_mod._FOUND_LIMIT + 10):
+        assert m.digest_of(f"k.raw.s{i + 2}", 0, 0) is None
+    assert len(m._found) == manifest_mod._FOUND_LIMIT
+    assert m.digest_of("k.raw.s0", 1, 0) == bytes.fromhex(hx("k10"))
 
 
 def test_compat_id_consistency() -> None:

@@ -395,6 +395,10 @@ def _data_track(name: str) -> DataTrackName:
     return spec
 
 
+_FOUND_LIMIT: Final = 4096
+"""Track names a :class:`Manifest` remembers the lookup of (any more are parsed each time)."""
+
+
 @attrs.frozen(kw_only=True)
 class Manifest:
     """One manifest version (profile 3.6). Validated on construction.
@@ -409,6 +413,11 @@ class Manifest:
     block_tokens: int
     deterministic: bool
     segments: tuple[Segment, ...] = attrs.field(converter=_tuple_if_list)
+    _found: dict[str | bytes, tuple[str, Segment] | None] = attrs.field(
+        init=False, factory=dict, eq=False, repr=False
+    )
+    """:meth:`_find_track`'s answers so far (a consumer asks once per Object; at most
+    :data:`_FOUND_LIMIT` names are kept)."""
 
     def __attrs_post_init__(self) -> None:
         if type(self.kvcs) is not int or self.kvcs != MANIFEST_FORMAT_VERSION:
@@ -487,15 +496,24 @@ class Manifest:
         return None if found is None else found[1]
 
     def _find_track(self, track: str | bytes) -> tuple[str, Segment] | None:
+        """``(canonical name, segment)`` of a listed data track, else ``None`` (a name
+        asked before is answered from :attr:`_found`, not parsed again)."""
+        found = self._found
+        if track in found:
+            return found[track]
+        answer: tuple[str, Segment] | None = None
         try:
             spec = TrackNameSpec.parse(track)
         except KvcsNameError:
-            return None
-        if not isinstance(spec, DataTrackName) or spec.segment >= len(self.segments):
-            return None
-        seg = self.segments[spec.segment]
-        name = str(spec)
-        return (name, seg) if name in seg.tracks else None
+            spec = None
+        if isinstance(spec, DataTrackName) and spec.segment < len(self.segments):
+            seg = self.segments[spec.segment]
+            name = str(spec)
+            if name in seg.tracks:
+                answer = (name, seg)
+        if len(found) < _FOUND_LIMIT:
+            found[track] = answer
+        return answer
 
     def digest_of(self, track: str | bytes, layer: int, block: int) -> bytes | None:
         """The listed Data Digest of ``track``, Group ``layer``, Object ``block``.
