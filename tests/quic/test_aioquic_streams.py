@@ -246,6 +246,40 @@ def test_reset_and_stop_sending_reach_the_peer_from_parked_streams(tmp_path: Pat
     assert reset.error_code == 0x21
 
 
+def test_a_late_delivery_outcome_of_a_discarded_stream_is_ignored(tmp_path: Path) -> None:
+    """A frame's fate can be known after aioquic discarded its finished stream: a probe
+    sent the last frame again and that copy is acknowledged (or declared lost) late. The
+    stream must not go back into the send queue: aioquic would discard it a second time
+    (``_streams.pop`` raising KeyError out of ``datagrams_to_send``, the connection lost,
+    as a CI run saw on a consumer) and grant the peer its stream credit twice."""
+    acked = importlib.import_module("aioquic.quic.packet_builder").QuicDeliveryState
+    pair = Pair(tmp_path)
+    sids = pair.open_requests(4)
+    sid = sids[1]
+    streams = {"client": pair.client._streams[sid], "server": pair.server._streams[sid]}
+    pair.client.send_stream_data(sid, b"bye", end_stream=True)
+    pair.server.send_stream_data(sid, b"ok", end_stream=True)
+    pair.until(lambda: sid in pair.fins["server"] and sid in pair.fins["client"])
+    pair.until(lambda: sid not in pair.client._streams and sid not in pair.server._streams)
+    credit = pair.server._local_max_streams_bidi.value
+    for side, conn in (("client", pair.client), ("server", pair.server)):
+        sender = streams[side].sender
+        assert sender.is_finished
+        end = sender._buffer_fin
+        sender.on_data_delivery(acked.ACKED, end - 2, end, True)  # a copy acknowledged
+        sender.on_data_delivery(acked.LOST, end - 2, end, True)  # another copy lost
+        assert streams[side] not in conn._streams_queue
+    pair.run(40)  # on the old code: KeyError(sid) from datagrams_to_send
+    assert pair.server._local_max_streams_bidi.value == credit
+    for conn in (pair.client, pair.server):
+        assert sid not in conn._streams
+    # both connections go on: the other requests still carry data both ways
+    other = sids[2]
+    pair.client.send_stream_data(other, b"still here", end_stream=True)
+    pair.until(lambda: other in pair.fins["server"])
+    assert bytes(pair.data["server"][other]).endswith(b"still here")
+
+
 def test_an_unknown_layout_keeps_the_plain_class() -> None:
     class Elsewhere:
         def _write_application(self) -> None:

@@ -29,7 +29,9 @@ ones aioquic would write, in the same order among the streams that have any:
   every received stream frame before it is applied), and when the fate of a frame of it
   is known (each stream's ``on_data_delivery``, ``on_reset_delivery`` and
   ``on_stop_sending_delivery``: a loss schedules a retransmission, an acknowledgement
-  may finish the stream).
+  may finish the stream). A stream aioquic has discarded is never woken: the fate of a
+  frame can be known after that (a probe's copy of the last frame, acknowledged or
+  lost late).
 * **The credit walk** visits a *watch* set: a stream joins it when it is created, when
   a frame for it arrives (received data is what moves its credit), when a
   MAX_STREAM_DATA frame of it is lost, and, for all streams, when a held input is
@@ -216,7 +218,14 @@ def quiet_streams_connection(connection_cls: type, acked: Any) -> type:
         """aioquic's ``QuicConnection``, walking only streams with work (module docstring)."""
 
         def _kvcs_wake(self, stream: Any) -> None:
-            self.__dict__["_kvcs_queue"].wake(stream)
+            # only a stream the table still holds: a delivery outcome can come after
+            # aioquic discarded a finished stream (the acknowledgement of a copy of its
+            # last frame that a probe sent again, or that copy's loss), and a discarded
+            # stream put back in the queue would be discarded a second time, whose
+            # ``_streams.pop`` raises KeyError from ``datagrams_to_send`` (the
+            # connection is lost) and whose peer stream credit would be granted twice
+            if self._streams.get(stream.stream_id) is stream:
+                self.__dict__["_kvcs_queue"].wake(stream)
 
         @property
         def _streams(self) -> StreamTable:
