@@ -218,12 +218,8 @@ def quiet_streams_connection(connection_cls: type, acked: Any) -> type:
         """aioquic's ``QuicConnection``, walking only streams with work (module docstring)."""
 
         def _kvcs_wake(self, stream: Any) -> None:
-            # only a stream the table still holds: a delivery outcome can come after
-            # aioquic discarded a finished stream (the acknowledgement of a copy of its
-            # last frame that a probe sent again, or that copy's loss), and a discarded
-            # stream put back in the queue would be discarded a second time, whose
-            # ``_streams.pop`` raises KeyError from ``datagrams_to_send`` (the
-            # connection is lost) and whose peer stream credit would be granted twice
+            # never a stream aioquic discarded (module docstring): queued again, it would
+            # be discarded twice, its _streams.pop raising KeyError in datagrams_to_send
             if self._streams.get(stream.stream_id) is stream:
                 self.__dict__["_kvcs_queue"].wake(stream)
 

@@ -278,10 +278,10 @@ class QuicEndpoint:
         received = 0
         for data, addr in datagrams:
             # the common case inline, once per datagram: a short header (RFC 9000
-            # section 17.3) of a known connection; anything else goes through _route
+            # section 17.3) of a known connection; anything else is parsed (_route_by_header)
             pump = by_cid.get(data[1:cid_end]) if data and not data[0] & 0x80 else None
             if pump is None:
-                pump = self._route(data, addr, now)
+                pump = self._route_by_header(data, addr, now)
                 if pump is None:
                     continue
             received += 1
@@ -434,6 +434,11 @@ class QuicEndpoint:
             pump = self._by_cid.get(data[1 : 1 + cid_length])
             if pump is not None:
                 return pump
+        return self._route_by_header(data, addr, now)
+
+    def _route_by_header(self, data: bytes, addr: Any, now: float) -> SessionPump | None:
+        """:meth:`_route` past its short-header lookup: the full header parse."""
+        cid_length = self.configuration.connection_id_length
         try:
             header = self.stack.pull_header(data, cid_length)
         except ValueError:

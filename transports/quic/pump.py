@@ -147,11 +147,6 @@ def keepalive_interval(idle_timeout: float, peer_idle_timeout: float | None = No
     return max(0.05, min(idle / 3.0, MAX_KEEPALIVE_INTERVAL))
 
 
-class _NoEvent:
-    """Of no event: what :meth:`SessionPump._take_quic_events` takes into runs over
-    WebTransport, where each event goes on alone."""
-
-
 def _addr(addr: Any) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
@@ -444,11 +439,12 @@ class SessionPump:
         runs: dict[int, list[bytes]] = {}
         fins: set[int] = set()
         next_event = self.quic.next_event
-        # the class taken into runs: none over WebTransport (looked at again after every
-        # other event, as a handshake may start WebTransport)
-        data_event: type[Any] = ev.StreamDataReceived if self.wt is None else _NoEvent
+        data_event = ev.StreamDataReceived
+        # over WebTransport each event goes on alone (looked at again after every other
+        # event, as a handshake may start WebTransport)
+        in_runs = self.wt is None
         while (qe := next_event()) is not None:
-            if isinstance(qe, data_event):
+            if in_runs and isinstance(qe, data_event):
                 sid = qe.stream_id
                 run = runs.get(sid)
                 if run is None:
@@ -492,7 +488,7 @@ class SessionPump:
                 self.cid_changes.append((True, qe.connection_id))
             elif isinstance(qe, ev.ConnectionIdRetired):
                 self.cid_changes.append((False, qe.connection_id))
-            data_event = ev.StreamDataReceived if self.wt is None else _NoEvent
+            in_runs = self.wt is None
         if runs:
             self._feed_runs(runs, fins, now)
 
